@@ -1,0 +1,35 @@
+"""Small argument checks shared by the pure modules: every failure is a ValueError naming the argument."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_tensor(name: str, x, *, floating: bool = False, dtype: torch.dtype | None = None) -> None:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if floating and not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if dtype is not None and x.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {x.dtype}")
+
+
+def check_same(name: str, x: Tensor, ref_name: str, ref: Tensor, *, dtype: bool = True) -> None:
+    """x must have ref's shape, device (and dtype unless dtype=False)."""
+    if x.shape != ref.shape:
+        raise ValueError(f"{name}: expected shape {tuple(ref.shape)} (as {ref_name}), got {tuple(x.shape)}")
+    if x.device != ref.device:
+        raise ValueError(f"{name}: expected device {ref.device} (as {ref_name}), got {x.device}")
+    if dtype and x.dtype != ref.dtype:
+        raise ValueError(f"{name}: expected dtype {ref.dtype} (as {ref_name}), got {x.dtype}")
+
+
+def check_positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and value > 0):
+        raise ValueError(f"{name}: expected a number > 0, got {value!r}")
+
+
+def check_choice(name: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: unknown value {value!r}; valid: {', '.join(sorted(choices))}")

@@ -1,0 +1,255 @@
+"""The policy losses (spec §4, §6): the masked, importance-weighted surrogate of Eq. 23, DRPO, aggregation.
+
+Eq. 23, per token:  ℓ_t = − keep_t · sg(min(r_t, C)) · Â_t · log π(a_t|s_t),
+so ∇ℓ_t = − keep_t · min(r_t, C) · Â_t · ∇log π(a_t|s_t), with r_t = exp(clamp(log π − log µ, max=20))
+(the importance weight is always π/µ, µ = the rollout policy; only the trust-region mask may be anchored
+elsewhere) and keep_t from `dppo.trust_region.TRUST_REGIONS`. PG-IS, CISPO/PG-TIS, GRPO clip, MiniRL and
+every DPPO variant are this one function with a different mask, anchor and cap.
+
+Aggregation modes (spec §6), over a [B, T] per-token loss and `response_mask`:
+- "token-mean":              Σ_{b,t} ℓ / (number of active tokens)
+- "seq-mean-token-mean":     mean over sequences of (Σ_t ℓ / active tokens of the sequence)
+- "seq-mean-token-sum":      mean over sequences of Σ_t ℓ
+- "seq-mean-token-sum-norm": mean over sequences of Σ_t ℓ / max_response_len (default, as in the paper)
+In the seq-mean modes a sequence with no active token is left out of the count. The denominator can be
+given explicitly (`denominator`, computed over the whole mini-batch and all ranks with
+`aggregation_denominator`) so that summing the losses of micro-batches gives exactly the mini-batch loss.
+
+NaN/inf in an active token's inputs propagate to the loss (masking multiplies, it never selects them
+away); padding positions are dropped with `torch.where`, so garbage there cannot leak in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from dppo._checks import check_choice, check_positive, check_same, check_tensor
+from dppo.trust_region import TRUST_REGIONS, needs_divergence
+
+__all__ = ["AGGREGATIONS", "ANCHORS", "aggregate", "aggregation_denominator", "policy_loss", "drpo_loss"]
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+ANCHORS = ("rollout", "recompute")
+MAX_LOG_RATIO = 20.0
+
+
+def aggregation_denominator(response_mask: Tensor, aggregation: str) -> Tensor:
+    """The number of units `aggregation` averages over: active tokens for "token-mean", sequences with at
+    least one active token for the seq-mean modes. A float32 scalar tensor (sum it over micro-batches/ranks)."""
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    mask = response_mask.bool()
+    if aggregation == "token-mean":
+        return mask.sum().to(torch.float32)
+    return mask.any(-1).sum().to(torch.float32)
+
+
+def aggregate(
+    loss_tok: Tensor,
+    response_mask: Tensor,
+    aggregation: str = "seq-mean-token-sum-norm",
+    *,
+    max_response_len: int | None = None,
+    denominator: Tensor | float | None = None,
+) -> Tensor:
+    """Reduce a [B, T] per-token loss to a scalar (modes in the module docstring).
+
+    max_response_len: the "norm" of seq-mean-token-sum-norm (default T = loss_tok.shape[-1]; pass the
+    mini-batch's value when micro-batching). denominator: overrides the count from
+    `aggregation_denominator(response_mask, aggregation)` (e.g. the whole mini-batch's). An all-padding
+    batch gives 0 (not NaN).
+    """
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    check_tensor("loss_tok", loss_tok, floating=True)
+    check_same("response_mask", response_mask, "loss_tok", loss_tok, dtype=False)
+    mask = response_mask.bool()
+    loss_tok = torch.where(mask, loss_tok, torch.zeros_like(loss_tok))
+    if denominator is None:
+        denominator = aggregation_denominator(mask, aggregation)
+    if aggregation == "token-mean":
+        total = loss_tok.sum()
+    else:
+        per_seq = loss_tok.sum(-1)
+        if aggregation == "seq-mean-token-mean":
+            per_seq = per_seq / mask.sum(-1).clamp(min=1)
+        elif aggregation == "seq-mean-token-sum-norm":
+            norm = loss_tok.shape[-1] if max_response_len is None else max_response_len
+            check_positive("max_response_len", norm)
+            per_seq = per_seq / norm
+        total = per_seq.sum()
+    if isinstance(denominator, Tensor):
+        denominator = denominator.to(total.dtype)
+        return total / denominator.clamp(min=1.0)
+    return total / max(float(denominator), 1.0)
+
+
+def _check_inputs(logp: Tensor, rollout_logp: Tensor, adv: Tensor, response_mask: Tensor) -> Tensor:
+    """Validate the shared inputs; return adv broadcast to [B, T]."""
+    check_tensor("logp", logp, floating=True)
+    if logp.dim() != 2:
+        raise ValueError(f"logp: expected shape [B, T], got {tuple(logp.shape)}")
+    check_tensor("rollout_logp", rollout_logp, floating=True)
+    check_same("rollout_logp", rollout_logp, "logp", logp, dtype=False)
+    check_tensor("response_mask", response_mask)
+    check_same("response_mask", response_mask, "logp", logp, dtype=False)
+    check_tensor("adv", adv, floating=True)
+    if adv.device != logp.device:
+        raise ValueError(f"adv: expected device {logp.device} (as logp), got {adv.device}")
+    if adv.shape == logp.shape[:1]:
+        adv = adv[:, None]
+    elif adv.shape != logp.shape:
+        raise ValueError(f"adv: expected shape [B]={tuple(logp.shape[:1])} or [B, T]={tuple(logp.shape)}, got {tuple(adv.shape)}")
+    return adv.expand_as(logp)
+
+
+def _mask_params(trust_region: str, given: dict) -> dict:
+    defaults = TRUST_REGIONS[trust_region].defaults
+    params = {}
+    for key, default in defaults.items():
+        value = given.get(key)
+        value = default if value is None else value
+        if value is None:
+            raise ValueError(f"{key}: required by trust_region {trust_region!r} (no default)")
+        if key.startswith(("delta", "eps")) or key in ("relax_alpha",):
+            check_positive(key, value)
+        params[key] = value
+    return params
+
+
+def policy_loss(
+    logp: Tensor,
+    rollout_logp: Tensor,
+    adv: Tensor,
+    response_mask: Tensor,
+    *,
+    trust_region: str = "dppo_binary_tv",
+    delta_low: float | None = None,
+    delta_high: float | None = None,
+    eps_low: float | None = None,
+    eps_high: float | None = None,
+    is_cap: float = 10.0,
+    aggregation: str = "seq-mean-token-sum-norm",
+    divergence: Tensor | None = None,
+    old_logp: Tensor | None = None,
+    anchor: str = "rollout",
+    max_response_len: int | None = None,
+    denominator: Tensor | float | None = None,
+    relax_alpha: float | None = None,
+    relax_side: str | None = None,
+    cppo_w_min: float | None = None,
+    cppo_delta_b_min: float | None = None,
+    cppo_q: float | None = None,
+    cppo_k: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The masked importance-weighted surrogate (Eq. 23), aggregated to a scalar.
+
+    Args (B sequences, T response positions):
+        logp: [B, T] log π(a_t|s_t) of the current policy, with gradient.
+        rollout_logp: [B, T] log µ(a_t|s_t) recorded by the engine (any float dtype; detached).
+        adv: [B] (sequence-level) or [B, T] advantages.
+        response_mask: [B, T] bool, True = the token counts.
+        trust_region: a name in `TRUST_REGIONS`.
+        delta_low, delta_high: divergence thresholds of the DPPO/CPPO regions (None = the region's default:
+            0.15 for TV, 0.05 for KL). eps_low, eps_high: ratio-clip ε of the PPO regions (default 0.2/0.28).
+        is_cap: C in min(r, C); float("inf") = uncapped.
+        divergence: [B, T] precomputed divergence, required by the Top-K regions (compute it against the
+            same anchor as the mask: µ's top-K cells for "rollout", π_old's values for "recompute").
+        old_logp: [B, T] recomputed log π_old; required when anchor="recompute".
+        anchor: "rollout" (mask against µ, the default) or "recompute" (mask against π_old; the importance
+            weight stays π/µ).
+        max_response_len, denominator: see `aggregate`.
+        relax_alpha, relax_side: the relax-α ablation's α and side. cppo_*: CPPO's parameters.
+
+    Returns (loss scalar, metrics): metrics are detached scalar tensors — masked_frac, masked_frac_pos,
+    masked_frac_neg (over active tokens, all/Â>0/Â<0), ratio_mean, ratio_max, ratio_above_cap_frac, and
+    the counts n_tokens, n_pos, n_neg to weight them when combining micro-batches.
+    """
+    check_choice("trust_region", trust_region, TRUST_REGIONS)
+    check_choice("anchor", anchor, ANCHORS)
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    if not (isinstance(is_cap, (int, float)) and is_cap > 0):
+        raise ValueError(f"is_cap: expected a number > 0 (float('inf') for no cap), got {is_cap!r}")
+    adv = _check_inputs(logp, rollout_logp, adv, response_mask)
+    params = _mask_params(
+        trust_region,
+        dict(delta_low=delta_low, delta_high=delta_high, eps_low=eps_low, eps_high=eps_high, relax_alpha=relax_alpha,
+             relax_side=relax_side, cppo_w_min=cppo_w_min, cppo_delta_b_min=cppo_delta_b_min, cppo_q=cppo_q, cppo_k=cppo_k),
+    )
+    if needs_divergence(trust_region):
+        if divergence is None:
+            raise ValueError(f"divergence: required by trust_region {trust_region!r} ([B, T] Top-K estimate)")
+        check_same("divergence", divergence, "logp", logp, dtype=False)
+    if anchor == "recompute":
+        if old_logp is None:
+            raise ValueError("old_logp: required when anchor='recompute' ([B, T] log-probs of the pre-update policy)")
+        check_same("old_logp", old_logp, "logp", logp, dtype=False)
+        anchor_logp = old_logp.detach()
+    else:
+        anchor_logp = rollout_logp.detach()
+    mask = response_mask.bool()
+
+    with torch.no_grad():
+        logp_d = logp.detach().float()
+        log_ratio = (logp_d - rollout_logp.float()).clamp(max=MAX_LOG_RATIO)
+        ratio = log_ratio.exp()
+        weight = ratio.clamp(max=is_cap) if math.isfinite(is_cap) else ratio
+        keep = TRUST_REGIONS[trust_region].fn(logp_d, anchor_logp.float(), adv.float(), mask, divergence, **params)
+        coef = keep.to(weight.dtype) * weight * adv.float()
+
+    loss_tok = -(coef.to(logp.dtype) * logp)
+    loss = aggregate(loss_tok, mask, aggregation, max_response_len=max_response_len, denominator=denominator)
+    return loss, _metrics(mask, keep, adv, ratio, is_cap)
+
+
+@torch.no_grad()
+def _metrics(mask: Tensor, keep: Tensor, adv: Tensor, ratio: Tensor, is_cap: float) -> dict[str, Tensor]:
+    maskf = mask.float()
+    pos, neg = maskf * (adv > 0), maskf * (adv < 0)
+    dropped = (~keep).float()
+    n, n_pos, n_neg = maskf.sum(), pos.sum(), neg.sum()
+    ratio_active = torch.where(mask, ratio, torch.zeros_like(ratio))
+    return {
+        "masked_frac": (dropped * maskf).sum() / n.clamp(min=1),
+        "masked_frac_pos": (dropped * pos).sum() / n_pos.clamp(min=1),
+        "masked_frac_neg": (dropped * neg).sum() / n_neg.clamp(min=1),
+        "ratio_mean": ratio_active.sum() / n.clamp(min=1),
+        "ratio_max": ratio_active.max() if ratio.numel() else ratio.new_zeros(()),
+        "ratio_above_cap_frac": ((ratio > is_cap).float() * maskf).sum() / n.clamp(min=1),
+        "n_tokens": n,
+        "n_pos": n_pos,
+        "n_neg": n_neg,
+    }
+
+
+def drpo_loss(
+    logp: Tensor,
+    rollout_logp: Tensor,
+    adv: Tensor,
+    response_mask: Tensor,
+    *,
+    delta: float = 0.15,
+    aggregation: str = "seq-mean-token-sum-norm",
+    max_response_len: int | None = None,
+    denominator: Tensor | float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DRPO (arXiv 2606.09821): no mask, a quadratic divergence penalty instead, r with gradient, no IS cap.
+
+    ℓ_t = −[ r_t Â_t − |Â_t| / (2δ) · m_t · (r_t − 1)² ],  r_t = exp(clamp(log π − log µ, max=20)),
+    m_t = µ(a_t|s_t). Shapes as `policy_loss`; metrics: ratio_mean, ratio_max, n_tokens.
+    """
+    check_choice("aggregation", aggregation, AGGREGATIONS)
+    check_positive("delta", delta)
+    adv = _check_inputs(logp, rollout_logp, adv, response_mask)
+    mask = response_mask.bool()
+    rollout_logp = rollout_logp.detach().to(logp.dtype)
+    ratio = torch.exp((logp - rollout_logp).clamp(max=MAX_LOG_RATIO))
+    adv = adv.to(logp.dtype)
+    loss_tok = -(ratio * adv - adv.abs() / (2.0 * delta) * rollout_logp.exp() * (ratio - 1.0) ** 2)
+    loss = aggregate(loss_tok, mask, aggregation, max_response_len=max_response_len, denominator=denominator)
+    with torch.no_grad():
+        r = torch.where(mask, ratio.detach().float(), torch.zeros_like(ratio, dtype=torch.float32))
+        n = mask.float().sum()
+        metrics = {"ratio_mean": r.sum() / n.clamp(min=1), "ratio_max": r.max() if r.numel() else r.new_zeros(()), "n_tokens": n}
+    return loss, metrics

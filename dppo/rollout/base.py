@@ -1,0 +1,176 @@
+"""The engine protocol and the result types every rollout engine returns.
+
+An engine samples `n` responses per prompt and records, for each response token a_t, the log-probability
+log µ(a_t|s_t) of the distribution it actually sampled from (after temperature), and optionally µ's top-K
+ids and log-probs in the fixed [T, K+1] layout of spec §2 (top-K sorted by µ, plus the sampled token in the
+last slot when it is not among them; `topk_valid` marks used slots). The trainer uses `rollout_logp` as the
+trust-region anchor and the top-K cells for the Top-K divergences (Eqs. 15-16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, Sequence, runtime_checkable
+
+import torch
+from torch import Tensor
+
+FinishReason = Literal["eos", "length", "stop"]
+# A prompt is either token ids or chat messages ([{"role": ..., "content": ...}, ...]).
+Prompt = Sequence[int] | Sequence[dict]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to sample. Validated on construction; engines check the engine-specific limits (K cap, context)."""
+
+    n: int = 1
+    """Responses per prompt (the group size G)."""
+    temperature: float = 1.0
+    """Sampling temperature; the recorded log-probs are those of softmax(logits / temperature)."""
+    max_new_tokens: int = 64
+    """Maximum response length T."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a response (the tokenizer's EOS always does). The stop token is kept."""
+    top_k_logprobs: int = 0
+    """K: record µ's top-K ids/log-probs per token (0 = off). Needed by the Top-K trust regions."""
+    top_p: float = 1.0
+    """Nucleus truncation. < 1 changes µ; refused together with top_k_logprobs > 0."""
+    top_k: int = 0
+    """Top-k truncation of sampling (0 = off). Changes µ; refused together with top_k_logprobs > 0."""
+    seed: int | None = None
+    """Seed for this call (HF engine). The vLLM engine is seeded at construction (see its module)."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n: expected >= 1, got {self.n}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: expected > 0, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected >= 1, got {self.max_new_tokens}")
+        if self.top_k_logprobs < 0:
+            raise ValueError(f"top_k_logprobs: expected >= 0, got {self.top_k_logprobs}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: expected >= 0, got {self.top_k}")
+        if self.top_k_logprobs > 0 and (self.top_p < 1 or self.top_k > 0):
+            raise ValueError(
+                "top_p/top_k: truncated sampling changes µ, so the recorded top-K log-probs would not be those "
+                "of the sampled distribution; use top_p=1 and top_k=0 with top_k_logprobs > 0"
+            )
+
+
+@dataclass
+class Rollout:
+    """One sampled response. T = number of response tokens (including a final EOS/stop token)."""
+
+    prompt_index: int
+    """Index of the prompt in the `generate` call (responses come prompt-major: prompt 0's n, then 1's ...)."""
+    prompt_ids: Tensor
+    """[P] int64, the prompt's token ids (after the chat template)."""
+    response_ids: Tensor
+    """[T] int64."""
+    rollout_logp: Tensor
+    """[T] float32, log µ(a_t|s_t) of the temperature-scaled distribution sampled from."""
+    finish_reason: FinishReason
+    weight_version: int = 0
+    """The engine's weight version (incremented by every `load_weights`)."""
+    topk_ids: Tensor | None = None
+    """[T, K+1] int64: µ's top-K ids sorted by µ descending, then the sampled id if not among them (else 0)."""
+    topk_logp: Tensor | None = None
+    """[T, K+1] float32: µ's log-probs at topk_ids (0 where invalid)."""
+    topk_valid: Tensor | None = None
+    """[T, K+1] bool: True where the slot is used (first K always; the last only for an out-of-top-K token)."""
+
+
+@dataclass
+class RolloutBatch:
+    """Rollouts collated into right-padded [B, T] tensors (B = responses, T = longest response)."""
+
+    prompt_ids: list[Tensor]
+    """B tensors [P_i] int64 (unpadded: prompts differ in length; equal prompts are shared by reference)."""
+    prompt_index: Tensor
+    """[B] int64."""
+    response_ids: Tensor
+    """[B, T] int64, padded with `pad_id`."""
+    response_mask: Tensor
+    """[B, T] bool, True = real response token."""
+    rollout_logp: Tensor
+    """[B, T] float32, 0 at padding."""
+    finish_reason: list[str]
+    weight_version: Tensor
+    """[B] int64."""
+    topk_ids: Tensor | None = None
+    """[B, T, K+1] int64 or None."""
+    topk_logp: Tensor | None = None
+    """[B, T, K+1] float32 or None."""
+    topk_valid: Tensor | None = None
+    """[B, T, K+1] bool or None (False at padding)."""
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def response_lengths(self) -> Tensor:
+        """[B] int64."""
+        return self.response_mask.sum(-1)
+
+
+def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
+    """Right-pad a list of rollouts into a RolloutBatch. Top-K fields are kept only if every rollout has them."""
+    if not rollouts:
+        raise ValueError("rollouts: expected a non-empty list")
+    B = len(rollouts)
+    T = max(int(r.response_ids.numel()) for r in rollouts)
+    response_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    logp = torch.zeros((B, T), dtype=torch.float32)
+    has_topk = all(r.topk_ids is not None for r in rollouts)
+    if has_topk:
+        S = rollouts[0].topk_ids.shape[-1]
+        if any(r.topk_ids.shape[-1] != S for r in rollouts):
+            raise ValueError("rollouts: top-K widths differ between rollouts")
+        topk_ids = torch.zeros((B, T, S), dtype=torch.long)
+        topk_logp = torch.zeros((B, T, S), dtype=torch.float32)
+        topk_valid = torch.zeros((B, T, S), dtype=torch.bool)
+    for i, r in enumerate(rollouts):
+        n = int(r.response_ids.numel())
+        response_ids[i, :n] = r.response_ids
+        mask[i, :n] = True
+        logp[i, :n] = r.rollout_logp
+        if has_topk:
+            topk_ids[i, :n] = r.topk_ids
+            topk_logp[i, :n] = r.topk_logp
+            topk_valid[i, :n] = r.topk_valid
+    return RolloutBatch(
+        prompt_ids=[r.prompt_ids for r in rollouts],
+        prompt_index=torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long),
+        response_ids=response_ids,
+        response_mask=mask,
+        rollout_logp=logp,
+        finish_reason=[r.finish_reason for r in rollouts],
+        weight_version=torch.tensor([r.weight_version for r in rollouts], dtype=torch.long),
+        topk_ids=topk_ids if has_topk else None,
+        topk_logp=topk_logp if has_topk else None,
+        topk_valid=topk_valid if has_topk else None,
+    )
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the trainer needs from an inference engine."""
+
+    max_logprobs: int
+    """Largest K the engine can return (top_k_logprobs above it is refused before generation)."""
+    weight_version: int
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Rollout]:
+        """Sample params.n responses per prompt; returns len(prompts) * n rollouts, prompt-major."""
+        ...
+
+    def load_weights(self, weights) -> None:
+        """Sync weights: a state dict (name -> tensor, HF parameter names) or a torch.nn.Module."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine's resources."""
+        ...
