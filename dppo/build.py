@@ -1,0 +1,157 @@
+"""Build the trainer's parts from a `Config`: task, reward runner, policy model (+LoRA), rollout engine.
+
+Also the two weight helpers the trainer needs: `trainable_state` (what a checkpoint stores) and
+`sync_weights` (the trainer's current weights, LoRA merged, pushed into the engine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dppo.config import Config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_task(cfg: Config):
+    from dppo.tasks import make_task
+
+    t = cfg.task
+    options = dict(t.options_dict)
+    accepted = _task_parameters(t.name)
+    for key, value in (("size", t.size), ("eval_size", t.eval_size), ("seed", t.seed),
+                       ("system_prompt", t.system_prompt or None)):
+        if value is not None and (accepted is None or key in accepted):
+            options.setdefault(key, value)
+    if t.reward:
+        options["reward"] = t.reward
+    try:
+        task = make_task(t.name, **options)
+    except ValueError as exc:
+        raise ValueError(f"task: {exc}") from exc
+    if not task.train:
+        raise ValueError(f"task: {t.name!r} produced no training examples")
+    return task
+
+
+def _task_parameters(name: str) -> set[str] | None:
+    """The keyword options a task builder accepts (None = it takes any)."""
+    import inspect
+
+    from dppo.tasks import TASKS
+
+    builder = TASKS.get(name)
+    if builder is None:
+        return None
+    params = inspect.signature(builder).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return set(params)
+
+
+def build_reward_runner(cfg: Config, task):
+    from dppo.rewards import RewardRunner
+
+    return RewardRunner(task.reward, timeout_s=cfg.task.reward_timeout_s)
+
+
+def build_model(cfg: Config, run_dir: Path):
+    """The policy (trainable, in train mode), its tokenizer, and a folder holding its initial weights
+    (for path-based engines; None unless one is needed)."""
+    from dppo import models
+
+    m = cfg.model
+    dtype = _DTYPES[m.dtype]
+    if m.name == "tiny-random":
+        tokenizer = models.char_tokenizer()
+        model = models.tiny_random_model(tokenizer, hidden_size=m.tiny_hidden, num_layers=m.tiny_layers,
+                                         seed=cfg.train.seed, dtype=dtype)
+        path = None
+    else:
+        path = models.resolve_model_path(m.name)
+        tokenizer = models.load_tokenizer(path)
+        model = models.load_model(path, dtype=dtype)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = True
+    if m.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha,
+                                                 target_modules=list(m.lora_target_modules), lora_dropout=0.0))
+    model.train()
+    return model, tokenizer, path
+
+
+def resolve_engine_name(name: str) -> str:
+    if name != "auto":
+        return name
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | None):
+    from dppo import models
+    from dppo.rollout import make_engine
+
+    r = cfg.rollout
+    name = resolve_engine_name(r.engine)
+    if name == "hf":
+        return make_engine("hf", model=merged_model_copy(model), tokenizer=tokenizer, dtype=_DTYPES[r.dtype],
+                           seed=cfg.train.seed)
+    if model_path is None or cfg.model.lora_rank:  # the engine loads from a folder: write the initial weights
+        model_path = Path(cfg.log.run_dir or ".") / "engine_init"
+        models.save_model(merged_model_copy(model), tokenizer, model_path)
+    engine = make_engine("vllm", model_path=str(model_path), dtype=r.dtype, seed=cfg.train.seed,
+                         max_logprobs=max(20, r.top_k_logprobs), kv_cache_gb=r.vllm_kv_cache_gb,
+                         gpu_memory_utilization=r.vllm_gpu_memory_utilization)
+    sync_weights(engine, model)  # the same weights as the trainer, whatever the folder held
+    return engine
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint stores: every parameter that requires grad (LoRA: only the adapter)."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full model's weights with HF names; for a peft model the LoRA deltas are added to the base weights
+    out of place (the trainer's model is not modified)."""
+    if not hasattr(model, "get_base_model"):
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {}
+    for name, module in model.get_base_model().named_modules():
+        if isinstance(module, LoraLayer):
+            delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
+            deltas[f"{name}.weight"] = delta
+    out = {}
+    for key, value in model.get_base_model().state_dict().items():
+        if "lora_" in key:
+            continue
+        clean = key.replace(".base_layer.", ".")
+        value = value.detach()
+        if clean in deltas:
+            value = value + deltas[clean].detach().to(value.dtype)
+        out[clean] = value
+    return out
+
+
+def merged_model_copy(model: nn.Module) -> nn.Module:
+    """A plain (non-peft) copy of the model with merged weights, for engines that hold their own copy."""
+    import copy
+
+    if not hasattr(model, "get_base_model"):
+        return model
+    base = copy.deepcopy(model).merge_and_unload()
+    return base
+
+
+def sync_weights(engine, model: nn.Module) -> None:
+    engine.load_weights(merged_state_dict(model) if hasattr(model, "get_base_model") else model)

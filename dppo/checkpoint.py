@@ -1,0 +1,138 @@
+"""Crash-safe checkpoints: `<run_dir>/checkpoints/step_000012/`.
+
+A checkpoint is written to a temporary sibling folder, every file fsynced, a `COMPLETE` marker written
+last, then the folder is renamed into place (atomic on POSIX) and the parent directory fsynced. A folder
+without the marker (a write killed midway) is never loaded. Contents:
+
+- `model.safetensors`: the trainable weights (the full model, or only the LoRA adapter's tensors),
+- `optimizer.pt`, `scheduler.pt`: state dicts, loaded with `torch.load(weights_only=True)`,
+- `trainer_state.json`: step, data-sampler position, RNG states (Python, NumPy, torch) as JSON/base64.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+MARKER = "COMPLETE"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names its folder."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states, JSON-serialisable."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
+    torch.set_rng_state(torch.from_numpy(raw))
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    weights: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    trainer_state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write checkpoint `step` atomically and delete all but the newest `keep` complete ones."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    state = {**trainer_state, "step": step, "rng": rng_state()}
+    (tmp / "trainer_state.json").write_text(json.dumps(state))
+    for f in tmp.iterdir():
+        _fsync_file(f)
+    (tmp / MARKER).write_text("ok\n")
+    _fsync_file(tmp / MARKER)
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in complete_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoint folders, oldest first (partial writes and temp folders are ignored)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / MARKER).exists()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load one checkpoint folder: {"weights", "optimizer", "scheduler", "trainer_state"}.
+
+    Raises CheckpointError naming the folder if it is incomplete or corrupt.
+    """
+    path = Path(path)
+    if not (path / MARKER).exists():
+        raise CheckpointError(f"{path}: incomplete checkpoint (no {MARKER} marker)")
+    try:
+        return {
+            "weights": load_file(str(path / "model.safetensors")),
+            "optimizer": torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"),
+            "scheduler": torch.load(path / "scheduler.pt", weights_only=True, map_location="cpu"),
+            "trainer_state": json.loads((path / "trainer_state.json").read_text()),
+        }
+    except Exception as exc:  # noqa: BLE001 - any failure to read means the checkpoint is unusable
+        raise CheckpointError(f"{path}: corrupt checkpoint ({type(exc).__name__}: {exc})") from exc
+
+
+def load_latest(run_dir: str | Path, *, warn=print) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads; a corrupt one is reported and the previous one is tried."""
+    for path in reversed(complete_checkpoints(run_dir)):
+        try:
+            return path, load_checkpoint(path)
+        except CheckpointError as exc:
+            warn(f"[dppo] skipping {exc}")
+    return None

@@ -1,0 +1,381 @@
+"""The run configuration: one frozen dataclass tree, read by tyro as nested CLI flags.
+
+Each field's docstring is its `--help` text. Every default lives here, once; `__post_init__` validates
+each section so an invalid value fails at parse time naming the field (e.g. `loss.delta_high`), and
+`Config.__post_init__` checks the combinations across sections (Top-K trust region without top-K capture,
+mini-batches that don't divide the batch, G = 1 with a group advantage, ...). Presets live in
+`dppo/presets.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from dppo.advantages import ADVANTAGES
+from dppo.losses import AGGREGATIONS, ANCHORS
+from dppo.trust_region import TRUST_REGIONS, needs_divergence
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message starts with the field's dotted name."""
+
+
+def _fail(field_name: str, message: str) -> None:
+    raise ConfigError(f"{field_name}: {message}")
+
+
+def _positive(section: str, **values: float) -> None:
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            _fail(f"{section}.{name}", f"expected > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy being trained."""
+
+    name: str = "smollm2-135m"
+    """Built-in model name (smollm2-135m, tiny-random) or a local transformers model folder."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the trainer's weights (the master copy the optimizer updates)."""
+    autocast_bf16: bool = False
+    """Run the trainer's forward/backward under bf16 autocast (weights stay in `dtype`)."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder activations in backward to save memory."""
+    lora_rank: int = 0
+    """LoRA rank via peft (0 = full fine-tune)."""
+    lora_alpha: float = 32.0
+    """LoRA alpha (scale = alpha / rank)."""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Module names LoRA adapts."""
+    tiny_hidden: int = 64
+    """tiny-random only: hidden size of the randomly initialised model."""
+    tiny_layers: int = 2
+    """tiny-random only: number of decoder layers."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            _fail("model.name", "expected a built-in name or a model folder, got ''")
+        if self.lora_rank < 0:
+            _fail("model.lora_rank", f"expected >= 0, got {self.lora_rank}")
+        _positive("model", lora_alpha=self.lora_alpha, tiny_hidden=self.tiny_hidden, tiny_layers=self.tiny_layers)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The inference engine that samples the responses (the rollout policy µ)."""
+
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """auto = vllm when importable, else hf."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Dtype the engine samples in. bf16 vs an fp32 trainer is a real training-inference mismatch."""
+    prompts_per_step: int = 8
+    """P: prompts sampled per training step."""
+    group_size: int = 8
+    """G: responses per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer scores with the same temperature)."""
+    max_new_tokens: int = 24
+    """Maximum response length."""
+    top_k_logprobs: int = 0
+    """K: record µ's top-K log-probs per token (needed by the Top-K trust regions; 0 = off)."""
+    vllm_kv_cache_gb: float = 2.0
+    """vLLM on CPU: KV cache size in GB (VLLM_CPU_KVCACHE_SPACE)."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """vLLM on GPU: fraction of GPU memory for the engine (it shares the GPU with the trainer)."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "group_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                _fail(f"rollout.{name}", f"expected >= 1, got {getattr(self, name)}")
+        _positive("rollout", temperature=self.temperature, vllm_kv_cache_gb=self.vllm_kv_cache_gb)
+        if self.top_k_logprobs < 0:
+            _fail("rollout.top_k_logprobs", f"expected >= 0, got {self.top_k_logprobs}")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            _fail("rollout.vllm_gpu_memory_utilization", f"expected in (0, 1], got {self.vllm_gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The verifiable task: prompts, answers and the reward."""
+
+    name: str = "chain_sum"
+    """A built-in task (chain_sum, basic_arithmetic, countdown, gsm_symbolic, addition, rg:<dataset>) or `file`."""
+    options: str = "{}"
+    """JSON object of task options, e.g. '{"min_terms": 2, "max_terms": 2, "max_digits": 1}' or, for `file`,
+    '{"path": "data.jsonl", "prompt_column": "question", "answer_column": "answer"}'."""
+    size: int = 2000
+    """Number of generated training examples (generated tasks)."""
+    eval_size: int = 128
+    """Held-out evaluation examples, disjoint from the training questions."""
+    seed: int = 0
+    """Seed of the task generator and of the train/eval split."""
+    reward: str = ""
+    """Reward override: a registered name (exact_match, math_verify, last_number, ...) or `module:fn` /
+    `path/to/file.py:fn` with signature fn(completion: str, example) -> float. '' = the task's own."""
+    reward_timeout_s: float = 10.0
+    """Per-call reward timeout; a timeout or exception gives reward 0 and is counted."""
+    system_prompt: str = ""
+    """Optional system message for chat-formatted prompts."""
+
+    def __post_init__(self) -> None:
+        try:
+            options = json.loads(self.options)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"task.options: not valid JSON ({exc})") from None
+        if not isinstance(options, dict):
+            _fail("task.options", f"expected a JSON object, got {type(options).__name__}")
+        if self.size < 1:
+            _fail("task.size", f"expected >= 1, got {self.size}")
+        if self.eval_size < 0:
+            _fail("task.eval_size", f"expected >= 0, got {self.eval_size}")
+        _positive("task", reward_timeout_s=self.reward_timeout_s)
+
+    @property
+    def options_dict(self) -> dict[str, Any]:
+        return json.loads(self.options)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The policy loss (spec §3-§4): trust region, anchor, importance-weight cap, aggregation."""
+
+    loss: Literal["masked_is", "drpo"] = "masked_is"
+    """masked_is = Eq. 23 with the trust-region mask (every method but DRPO); drpo = DRPO's penalty."""
+    trust_region: str = "dppo_binary_tv"
+    """A name in dppo.trust_region.TRUST_REGIONS (dppo_binary_tv, dppo_binary_kl, dppo_topk_tv, dppo_topk_kl,
+    ppo_clip, ppo_clip_relax, none, cppo)."""
+    anchor: Literal["rollout", "recompute"] = "rollout"
+    """Mask anchor: rollout µ (default, free) or the recomputed pre-update policy (extra forward pass)."""
+    delta_low: float | None = None
+    """DPPO/CPPO divergence threshold where Â < 0 (None = 0.15 for TV, 0.05 for KL)."""
+    delta_high: float | None = None
+    """DPPO/CPPO divergence threshold where Â > 0 (None = 0.15 for TV, 0.05 for KL)."""
+    eps_low: float | None = None
+    """Ratio-clip ε where Â < 0 (PPO regions; None = 0.2)."""
+    eps_high: float | None = None
+    """Ratio-clip ε where Â > 0 (PPO regions; None = 0.28, clip-higher)."""
+    is_cap: float = 10.0
+    """C in min(π/µ, C); inf = uncapped."""
+    aggregation: str = "seq-mean-token-sum-norm"
+    """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
+    relax_alpha: float | None = None
+    """ppo_clip_relax: tokens with µ < α are never masked on the relaxed side."""
+    relax_side: Literal["high", "low", "both"] = "both"
+    """ppo_clip_relax: which side is relaxed."""
+    drpo_delta: float = 0.15
+    """DRPO's δ in the penalty |Â|/(2δ)·µ·(r−1)²."""
+
+    def __post_init__(self) -> None:
+        if self.trust_region not in TRUST_REGIONS:
+            _fail("loss.trust_region", f"unknown {self.trust_region!r}; valid: {', '.join(TRUST_REGIONS)}")
+        if self.aggregation not in AGGREGATIONS:
+            _fail("loss.aggregation", f"unknown {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+        if self.anchor not in ANCHORS:
+            _fail("loss.anchor", f"unknown {self.anchor!r}; valid: {', '.join(ANCHORS)}")
+        _positive("loss", delta_low=self.delta_low, delta_high=self.delta_high, eps_low=self.eps_low,
+                  eps_high=self.eps_high, is_cap=self.is_cap, relax_alpha=self.relax_alpha, drpo_delta=self.drpo_delta)
+        if self.trust_region == "ppo_clip_relax" and self.relax_alpha is None:
+            _fail("loss.relax_alpha", "required by trust_region 'ppo_clip_relax'")
+        if self.loss == "drpo" and self.anchor != "rollout":
+            _fail("loss.anchor", "drpo has no mask, so only the 'rollout' anchor applies")
+
+    def mask_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments `dppo.losses.policy_loss` takes from this section."""
+        return dict(trust_region=self.trust_region, anchor=self.anchor, delta_low=self.delta_low,
+                    delta_high=self.delta_high, eps_low=self.eps_low, eps_high=self.eps_high, is_cap=self.is_cap,
+                    aggregation=self.aggregation, relax_alpha=self.relax_alpha, relax_side=self.relax_side)
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """Advantage estimation from sequence rewards (spec §5)."""
+
+    estimator: str = "group_mean"
+    """group_mean (paper default), group_zscore (GRPO), rloo, group_mean_batch_std."""
+    eps: float = 1e-6
+    """Added to standard deviations before dividing."""
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ADVANTAGES:
+            _fail("advantage.estimator", f"unknown {self.estimator!r}; valid: {', '.join(ADVANTAGES)}")
+        _positive("advantage", eps=self.eps)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up, then a constant learning rate."""
+
+    lr: float = 3e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW β1."""
+    beta2: float = 0.999
+    """AdamW β2."""
+    warmup_steps: int = 0
+    """Optimiser steps of linear warm-up from 0."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 = no clipping)."""
+
+    def __post_init__(self) -> None:
+        _positive("optim", lr=self.lr)
+        if self.weight_decay < 0:
+            _fail("optim.weight_decay", f"expected >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail(f"optim.{name}", f"expected in [0, 1), got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            _fail("optim.warmup_steps", f"expected >= 0, got {self.warmup_steps}")
+        if self.grad_clip < 0:
+            _fail("optim.grad_clip", f"expected >= 0, got {self.grad_clip}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The loop: steps, epochs and mini-batches per rollout batch, micro-batching, seeds, checkpoints."""
+
+    steps: int = 20
+    """Training steps (one rollout batch each)."""
+    epochs: int = 1
+    """E: passes over each rollout batch."""
+    mini_batches: int = 1
+    """Optimiser steps per epoch: the P·G responses are split into this many mini-batches (whole groups
+    stay together). Later mini-batches are off-policy: that is what the trust region is for."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    seed: int = 0
+    """Seed of model init (tiny-random), data order and sampling."""
+    eval_every: int = 0
+    """Evaluate on the held-out split every N steps (0 = only before and after training)."""
+    eval_before: bool = True
+    """Evaluate once before the first step."""
+    eval_temperature: float | None = None
+    """Sampling temperature of the eval (None = rollout.temperature)."""
+    checkpoint_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """How many checkpoints to keep."""
+    threads: int = 0
+    """torch intra-op threads (0 = leave torch's default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "epochs", "mini_batches", "micro_batch_size", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                _fail(f"train.{name}", f"expected >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every", "threads"):
+            if getattr(self, name) < 0:
+                _fail(f"train.{name}", f"expected >= 0, got {getattr(self, name)}")
+        _positive("train", eval_temperature=self.eval_temperature)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Where and what the run writes."""
+
+    run_dir: str = ""
+    """Run directory ('' = a new timestamped folder under runs/)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to <run_dir>/tb."""
+    progress: bool = True
+    """Show a rich progress bar."""
+    samples_per_step: int = 4
+    """Responses per step written to samples.jsonl."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole dppo run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        if needs_divergence(self.loss.trust_region) and self.rollout.top_k_logprobs < 1:
+            _fail("rollout.top_k_logprobs", f"trust region {self.loss.trust_region!r} needs µ's top-K log-probs: set >= 1 (e.g. 20)")
+        if self.advantage.estimator != "group_mean_batch_std" and self.rollout.group_size < 2:
+            _fail("rollout.group_size", f"advantage {self.advantage.estimator!r} needs >= 2 responses per prompt")
+        if self.train.mini_batches > self.rollout.prompts_per_step:
+            _fail("train.mini_batches", f"{self.train.mini_batches} mini-batches > {self.rollout.prompts_per_step} prompts per step")
+        if self.rollout.prompts_per_step % self.train.mini_batches:
+            _fail("train.mini_batches", f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (groups stay whole)")
+        if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
+            _fail("loss.anchor", "drpo has no mask to anchor")
+
+    # -------- (de)serialisation --------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(_plain(self.to_dict()), sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> "Config":
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(sections)
+        if unknown:
+            raise ConfigError(f"{sorted(unknown)[0]}: unknown section in {source}; valid: {', '.join(sections)}")
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            section_cls = _SECTIONS[f.name]
+            values = dict(data.get(f.name) or {})
+            known = {g.name for g in dataclasses.fields(section_cls)}
+            bad = set(values) - known
+            if bad:
+                raise ConfigError(f"{f.name}.{sorted(bad)[0]}: unknown field in {source}")
+            for key, value in values.items():
+                if isinstance(value, list):
+                    values[key] = tuple(value)
+                if value == "inf":
+                    values[key] = math.inf
+            kwargs[f.name] = section_cls(**values)
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Config":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config: file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config: {path} is not valid YAML/JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config: {path} must hold a mapping of sections")
+        return cls.from_dict(data, source=str(path))
+
+
+_SECTIONS = {
+    "model": ModelConfig, "rollout": RolloutConfig, "task": TaskConfig, "loss": LossConfig,
+    "advantage": AdvantageConfig, "optim": OptimConfig, "train": TrainConfig, "log": LogConfig,
+}
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return value
+
+
+def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
+    """Return cfg with some fields of some sections replaced: replace(cfg, loss={"trust_region": "ppo_clip"})."""
+    updates = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in sections.items()}
+    return dataclasses.replace(cfg, **updates)

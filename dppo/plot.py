@@ -1,0 +1,66 @@
+"""PNG curves of one or more runs (reward, masked fraction, mismatch, entropy, response length), overlaid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PANELS = (
+    ("reward/mean", "training reward"),
+    ("trust_region/masked_frac", "masked fraction"),
+    ("mismatch/binary_tv_mean", "mismatch mean |π−µ| (start of step)"),
+    ("policy/entropy", "entropy"),
+    ("response/length_mean", "response length"),
+    ("eval/pass@1", "held-out pass@1"),
+)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"run_dir: {run_dir} has no metrics.jsonl")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{i}: malformed JSON line ({exc})") from None
+    return rows
+
+
+def read_eval(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "eval.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    labels = labels or [Path(d).name for d in run_dirs]
+    for run_dir, label in zip(run_dirs, labels):
+        rows = read_metrics(run_dir)
+        evals = read_eval(run_dir)
+        for ax, (key, title) in zip(axes.flat, PANELS):
+            if key == "eval/pass@1":
+                pts = [(e["step"], e["pass@1"]) for e in evals]
+            else:
+                pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, ms=3, label=label)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,77 @@
+"""Named configurations: the demo, the smoke test, the paper's sanity-test shape, and one per method.
+
+Each preset is a function returning a `Config`; `PRESETS` maps the CLI name to (function, one-line summary).
+Method presets (`grpo`, `cispo`, `minirl`, ...) are the demo with only the loss section changed, so that
+`dppo train --preset X` reruns the paper's comparisons at identical settings.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from dppo.config import Config, replace
+
+CHAIN_SUM_EASY = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'
+
+
+def demo() -> Config:
+    """SmolLM2-135M-Instruct, DPPO-Binary-TV, chain_sum with two one-digit terms (the README's main job)."""
+    return Config()  # the dataclass defaults are the demo
+
+
+def smoke() -> Config:
+    """A tiny random model on the built-in addition task: a few steps in seconds (used by the tests)."""
+    return replace(
+        Config(),
+        model={"name": "tiny-random", "tiny_hidden": 64, "tiny_layers": 2},
+        rollout={"engine": "hf", "dtype": "float32", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6},
+        task={"name": "addition", "options": '{"digits": 1}', "size": 200, "eval_size": 16},
+        optim={"lr": 1e-3},
+        train={"steps": 3, "micro_batch_size": 8, "mini_batches": 2},
+        log={"tensorboard": True, "progress": False, "samples_per_step": 2},
+    )
+
+
+def paper_sanity() -> Config:
+    """The paper's stability-test shape (64×8, 4 gradient steps per batch, bf16 rollouts) scaled to a CPU:
+    16 prompts × 8 responses, 4 mini-batches per rollout batch, bf16 engine vs fp32 trainer."""
+    return replace(
+        Config(),
+        rollout={"prompts_per_step": 16, "group_size": 8},
+        train={"steps": 40, "mini_batches": 4, "eval_every": 10},
+    )
+
+
+def _method(**loss) -> Callable[[], Config]:
+    def preset() -> Config:
+        cfg = demo()
+        rollout = {"top_k_logprobs": 20} if loss.get("trust_region", "").startswith("dppo_topk") else {}
+        return replace(cfg, loss=loss, rollout=rollout) if rollout else replace(cfg, loss=loss)
+
+    return preset
+
+
+PRESETS: dict[str, tuple[Callable[[], Config], str]] = {
+    "demo": (demo, "SmolLM2-135M + DPPO-Binary-TV on chain_sum (2 one-digit terms); the default of `dppo train`"),
+    "smoke": (smoke, "tiny random model, addition task, 3 steps; finishes in seconds"),
+    "paper-sanity": (paper_sanity, "paper's stability-test shape scaled down: 16x8, 4 mini-batches per batch"),
+    "dppo-binary-tv": (_method(trust_region="dppo_binary_tv"), "DPPO, Binary-TV, delta 0.15 (= demo)"),
+    "dppo-binary-kl": (_method(trust_region="dppo_binary_kl"), "DPPO, Binary-KL, delta 0.05"),
+    "dppo-topk-tv": (_method(trust_region="dppo_topk_tv"), "DPPO, Top-20 TV, delta 0.15 (engine records top-20)"),
+    "dppo-topk-kl": (_method(trust_region="dppo_topk_kl"), "DPPO, Top-20 KL, delta 0.05 (engine records top-20)"),
+    "dppo-recompute": (_method(trust_region="dppo_binary_tv", anchor="recompute"), "DPPO-Binary-TV anchored at recomputed pi_old"),
+    "grpo": (_method(trust_region="ppo_clip", eps_low=0.2, eps_high=0.2), "GRPO ratio clip 0.2/0.2, anchored at mu"),
+    "grpo-clip-higher": (_method(trust_region="ppo_clip", eps_low=0.2, eps_high=0.28), "GRPO clip-higher 0.2/0.28"),
+    "minirl": (_method(trust_region="ppo_clip", eps_low=0.2, eps_high=0.28, anchor="recompute"), "PPO clip anchored at recomputed pi_old (MiniRL)"),
+    "cispo": (_method(trust_region="none", is_cap=3.0), "no mask, IS weight capped at 3 (CISPO / PG-TIS)"),
+    "pg-is": (_method(trust_region="none", is_cap=math.inf), "no mask, uncapped IS weight (PG-IS)"),
+    "cppo": (_method(trust_region="cppo"), "CPPO cumulative position-weighted TV budget (beyond the paper)"),
+    "drpo": (_method(loss="drpo"), "DRPO quadratic divergence penalty, no mask (beyond the paper)"),
+}
+
+
+def get_preset(name: str) -> Config:
+    if name not in PRESETS:
+        raise ValueError(f"--preset: unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    return PRESETS[name][0]()

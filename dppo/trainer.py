@@ -1,0 +1,424 @@
+"""The DPPO training loop (spec §7): rollout → reward → advantage → E×M updates → weight sync → log.
+
+`Trainer.step` reads top to bottom. The importance weight of every update is π/µ against the engine's
+recorded log-probs; the trust-region mask is anchored at µ (or at the recomputed π_old when
+`loss.anchor = "recompute"`, which costs one extra no-grad forward). Mini-batches after the first are
+off-policy by construction — what the trust region is for. All metrics stay tensors until the end of an
+optimiser step (one host sync per optimiser step, for the finite-gradient check) and of a training step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dppo.advantages import compute_advantages
+from dppo.checkpoint import load_latest, save_checkpoint, set_rng_state
+from dppo.config import Config
+from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
+from dppo.logger import RunLogger
+from dppo.losses import aggregation_denominator, drpo_loss, policy_loss
+from dppo.rollout.base import RolloutBatch, SamplingParams, collate
+from dppo.scoring import score_responses
+from dppo.build import build_engine, build_model, build_reward_runner, build_task, sync_weights, trainable_state
+
+MU_BUCKETS = (1e-3, 1e-2, 1e-1, 0.5)  # edges of the µ(a_t) buckets for "where are masked tokens"
+
+
+class PromptSampler:
+    """Seeded epoch-wise permutation over the training examples; its position is part of a checkpoint."""
+
+    def __init__(self, n: int, seed: int, position: int = 0) -> None:
+        self.n, self.seed, self.position = n, seed, position
+
+    def next(self, count: int) -> list[int]:
+        out = []
+        while len(out) < count:
+            epoch, offset = divmod(self.position, self.n)
+            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+            take = min(count - len(out), self.n - offset)
+            out.extend(perm[offset:offset + take].tolist())
+            self.position += take
+        return out
+
+
+@dataclass
+class StepTimer:
+    generation: float = 0.0
+    reward: float = 0.0
+    recompute: float = 0.0
+    training: float = 0.0
+    sync: float = 0.0
+
+    @contextlib.contextmanager
+    def time(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False) -> None:
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        _seed_everything(cfg.train.seed)
+        self.task = build_task(cfg)  # validates data before any model is loaded
+        self.train_examples, self.eval_examples = list(self.task.train), list(self.task.eval)
+        self.reward_runner = build_reward_runner(cfg, self.task)
+        self.model, self.tokenizer, self.model_path = build_model(cfg, self.run_dir)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                           weight_decay=cfg.optim.weight_decay)
+        warm = cfg.optim.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        self.step_idx = 0
+        self.sampler = PromptSampler(len(self.train_examples), cfg.train.seed)
+        self.skipped_steps = 0
+        if resume:
+            self._restore()
+        self.engine = build_engine(cfg, self.model, self.tokenizer, self.model_path)
+        if resume:
+            sync_weights(self.engine, self.model)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.stop_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id] if i is not None}))
+        self.logger = RunLogger(self.run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
+                                progress=cfg.log.progress, start_step=self.step_idx)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        results: dict[str, Any] = {}
+        if cfg.train.eval_before and self.step_idx == 0 and self.eval_examples:
+            results["eval_before"] = self.evaluate_and_log()
+        while self.step_idx < cfg.train.steps:
+            metrics = self.step()
+            self.logger.log_step(self.step_idx, metrics)
+            if cfg.train.eval_every and self.step_idx % cfg.train.eval_every == 0 and self.step_idx < cfg.train.steps:
+                self.evaluate_and_log()
+            if cfg.train.checkpoint_every and self.step_idx % cfg.train.checkpoint_every == 0:
+                self.save()
+        if self.eval_examples:
+            results["eval_after"] = self.evaluate_and_log()
+        results["checkpoint"] = str(self.save())
+        self.logger.close()
+        return results
+
+    def step(self) -> dict[str, float]:
+        cfg, timer = self.cfg, StepTimer()
+        t_start = time.perf_counter()
+        examples = [self.train_examples[i] for i in self.sampler.next(cfg.rollout.prompts_per_step)]
+        with timer.time("generation"):
+            rollouts = self.engine.generate(engine_prompts(examples, self.tokenizer), self._sampling_params(self.step_idx))
+            batch = collate(rollouts, pad_id=self.pad_id)
+        with timer.time("reward"):
+            completions = self._decode(batch)
+            rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
+            adv, adv_stats = compute_advantages(cfg.advantage.estimator, rewards, cfg.rollout.group_size, eps=cfg.advantage.eps)
+        with timer.time("recompute"):
+            old = self._score(batch, torch.arange(len(rollouts)), grad=False) if cfg.loss.anchor == "recompute" else None
+        with timer.time("training"):
+            update_stats = self._update(batch, adv, old)
+        with timer.time("sync"):
+            sync_weights(self.engine, self.model)
+        self.step_idx += 1
+        metrics = self._step_metrics(batch, rewards, reward_stats, adv_stats, update_stats, timer, t_start)
+        self.logger.log_samples(self.step_idx, self._samples(completions, rewards, batch, examples))
+        return metrics
+
+    # ------------------------------------------------------------------ pieces of a step
+    def _sampling_params(self, step: int, *, n: int | None = None, temperature: float | None = None,
+                         top_k: int | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            n=r.group_size if n is None else n,
+            temperature=r.temperature if temperature is None else temperature,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=self.stop_ids,
+            top_k_logprobs=r.top_k_logprobs if top_k is None else top_k,
+            seed=self.cfg.train.seed * 100_003 + step,
+        )
+
+    def _decode(self, batch: RolloutBatch) -> list[str]:
+        ids = [row[m].tolist() for row, m in zip(batch.response_ids, batch.response_mask)]
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    def _score(self, batch: RolloutBatch, idx: Tensor, *, grad: bool, with_entropy: bool = False):
+        """π's log-probs (and top-K cells, entropy) for the sequences `idx` of the batch."""
+        cfg = self.cfg
+        autocast = torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16) \
+            if cfg.model.autocast_bf16 else contextlib.nullcontext()
+        with (contextlib.nullcontext() if grad else torch.no_grad()), autocast:
+            return score_responses(
+                self.model, [batch.prompt_ids[i] for i in idx.tolist()], batch.response_ids[idx], batch.response_mask[idx],
+                temperature=cfg.rollout.temperature,
+                topk_ids=batch.topk_ids[idx] if batch.topk_ids is not None else None,
+                with_entropy=with_entropy, pad_id=self.pad_id,
+            )
+
+    def _minibatches(self, B: int, epoch: int) -> list[Tensor]:
+        """Split the B = P·G sequences into mini-batches of whole groups, group order shuffled per epoch."""
+        G, M = self.cfg.rollout.group_size, self.cfg.train.mini_batches
+        gen = torch.Generator().manual_seed(self.cfg.train.seed * 7919 + self.step_idx * 31 + epoch)
+        groups = torch.randperm(B // G, generator=gen) if epoch > 0 or M > 1 else torch.arange(B // G)
+        seqs = (groups[:, None] * G + torch.arange(G)[None, :]).reshape(-1)
+        return list(seqs.chunk(M))
+
+    def _update(self, batch: RolloutBatch, adv: Tensor, old) -> dict[str, Any]:
+        cfg = self.cfg
+        acc = _Accumulator()
+        first = True
+        for epoch in range(cfg.train.epochs):
+            for mb in self._minibatches(batch.response_ids.shape[0], epoch):
+                denom = aggregation_denominator(batch.response_mask[mb], cfg.loss.aggregation)
+                for micro in mb.split(cfg.train.micro_batch_size):
+                    scores = self._score(batch, micro, grad=True, with_entropy=first)
+                    loss, stats = self._loss(batch, micro, scores, adv, old, denom)
+                    loss.backward()
+                    acc.add_loss(stats, loss.detach())
+                    if first:  # the mismatch between engine and trainer before any update of this step
+                        acc.add_mismatch(batch, micro, scores)
+                grad_norm = self._optimizer_step()
+                acc.add_grad_norm(grad_norm)
+                first = False
+        return acc.result()
+
+    def _loss(self, batch, micro, scores, adv, old, denom):
+        cfg = self.cfg
+        mask = batch.response_mask[micro]
+        rollout_logp = batch.rollout_logp[micro]
+        if cfg.loss.loss == "drpo":
+            loss, stats = drpo_loss(scores.logp, rollout_logp, adv[micro], mask, delta=cfg.loss.drpo_delta,
+                                    aggregation=cfg.loss.aggregation, max_response_len=cfg.rollout.max_new_tokens,
+                                    denominator=denom)
+        else:
+            old_logp = old.logp[micro] if old is not None else None
+            divergence = None
+            if cfg.loss.trust_region in ("dppo_topk_tv", "dppo_topk_kl"):
+                fn = topk_tv if cfg.loss.trust_region == "dppo_topk_tv" else topk_kl
+                anchor_cells = old.topk_logp[micro] if old is not None else batch.topk_logp[micro]
+                divergence = fn(scores.topk_logp, anchor_cells, batch.topk_valid[micro])
+            loss, stats = policy_loss(scores.logp, rollout_logp, adv[micro], mask, divergence=divergence,
+                                      old_logp=old_logp, max_response_len=cfg.rollout.max_new_tokens,
+                                      denominator=denom, **cfg.loss.mask_kwargs())
+            stats = dict(stats)
+            stats["masked_mu_hist"] = _masked_mu_histogram(stats.pop("keep"), rollout_logp, mask)
+        return loss, stats
+
+    def _optimizer_step(self) -> Tensor:
+        """Clip, then step only if the gradient is finite (a non-finite one is skipped and counted)."""
+        clip = self.cfg.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else math.inf)
+        if torch.isfinite(grad_norm):  # the one host sync per optimiser step
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            self.skipped_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.detach()
+
+    # ------------------------------------------------------------------ metrics
+    def _step_metrics(self, batch, rewards, reward_stats, adv_stats, update, timer: StepTimer, t_start) -> dict[str, float]:
+        lengths = batch.response_lengths.float()
+        step_s = time.perf_counter() - t_start
+        tokens = float(lengths.sum()) + sum(int(p.numel()) for p in batch.prompt_ids)
+        out = {
+            "reward/mean": rewards.mean(),
+            "reward/std": rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
+            "reward/accuracy": (rewards >= 1.0 - 1e-6).float().mean(),
+            "reward/failures": float(reward_stats.get("failures", 0)),
+            "reward/timeouts": float(reward_stats.get("timeouts", 0)),
+            "response/length_mean": lengths.mean(),
+            "response/length_max": lengths.max(),
+            "response/truncated_frac": float(sum(r == "length" for r in batch.finish_reason)) / len(batch.finish_reason),
+            "advantage/zero_group_frac": adv_stats["zero_adv_group_frac"],
+            **update,
+            "optim/lr": self.scheduler.get_last_lr()[0],
+            "optim/skipped_steps_total": float(self.skipped_steps),
+            "perf/generation_s": timer.generation, "perf/reward_s": timer.reward, "perf/recompute_s": timer.recompute,
+            "perf/training_s": timer.training, "perf/sync_s": timer.sync, "perf/step_s": step_s,
+            "perf/tokens_per_s": tokens / max(step_s, 1e-9),
+            "perf/response_tokens": float(lengths.sum()),
+        }
+        return {k: float(v) for k, v in out.items()}  # the one sync of the step
+
+    def _samples(self, completions, rewards, batch, examples) -> list[dict[str, Any]]:
+        n = min(self.cfg.log.samples_per_step, len(completions))
+        idx = batch.prompt_index.tolist()
+        return [{"prompt": _prompt_text(examples[idx[i]].prompt), "completion": completions[i],
+                 "answer": examples[idx[i]].answer, "reward": float(rewards[i])} for i in range(n)]
+
+    # ------------------------------------------------------------------ eval and checkpoints
+    def evaluate(self, examples=None, *, temperature: float | None = None) -> dict[str, float]:
+        """Sampled pass@1 and mean reward on held-out examples (one response each)."""
+        examples = self.eval_examples if examples is None else examples
+        temp = temperature or self.cfg.train.eval_temperature or self.cfg.rollout.temperature
+        params = self._sampling_params(10_000_000 + self.step_idx, n=1, temperature=temp, top_k=0)
+        return evaluate(self.engine, self.tokenizer, self.reward_runner, examples, params, pad_id=self.pad_id)
+
+    def evaluate_and_log(self) -> dict[str, float]:
+        result = self.evaluate()
+        self.logger.log_eval(self.step_idx, result)
+        self.logger.print(f"[dppo] eval @ step {self.step_idx}: pass@1 {result['pass@1']:.3f}, "
+                          f"mean reward {result['reward_mean']:.3f} on {result['n']} held-out prompts")
+        return result
+
+    def save(self) -> Path:
+        state = {"sampler_position": self.sampler.position, "skipped_steps": self.skipped_steps}
+        return save_checkpoint(self.run_dir, self.step_idx, weights=trainable_state(self.model), optimizer=self.optimizer,
+                               scheduler=self.scheduler, trainer_state=state, keep=self.cfg.train.keep_checkpoints)
+
+    def _restore(self) -> None:
+        found = load_latest(self.run_dir)
+        if found is None:
+            raise ValueError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
+        path, ckpt = found
+        missing, unexpected = self.model.load_state_dict(ckpt["weights"], strict=False)
+        trainable = set(trainable_state(self.model))
+        if unexpected or (trainable - set(ckpt["weights"])):
+            raise ValueError(f"--resume: checkpoint {path} does not match the model "
+                             f"(unexpected {sorted(unexpected)[:3]}, missing {sorted(trainable - set(ckpt['weights']))[:3]})")
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        st = ckpt["trainer_state"]
+        self.step_idx = int(st["step"])
+        self.sampler.position = int(st["sampler_position"])
+        self.skipped_steps = int(st.get("skipped_steps", 0))
+        set_rng_state(st["rng"])
+        print(f"[dppo] resumed from {path} at step {self.step_idx}", flush=True)
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+
+def engine_prompts(examples, tokenizer) -> list:
+    """What the engine takes: chat messages as they are, raw-text prompts as token ids (no template)."""
+    return [list(tokenizer.encode(ex.prompt, add_special_tokens=False)) if isinstance(ex.prompt, str) else list(ex.prompt)
+            for ex in examples]
+
+
+def evaluate(engine, tokenizer, reward_runner, examples, params: SamplingParams, *, pad_id: int) -> dict[str, float]:
+    """One sampled response per example: pass@1 (reward >= 1), mean reward, mean response length."""
+    if not examples:
+        raise ValueError("examples: the evaluation set is empty")
+    batch = collate(engine.generate(engine_prompts(examples, tokenizer), params), pad_id=pad_id)
+    ids = [row[m].tolist() for row, m in zip(batch.response_ids, batch.response_mask)]
+    completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    rewards, _ = reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
+    return {"pass@1": float((rewards >= 1.0 - 1e-6).float().mean()), "reward_mean": float(rewards.mean()),
+            "n": len(examples), "temperature": params.temperature,
+            "response_length": float(batch.response_lengths.float().mean())}
+
+
+def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:
+    """Evaluate the base model of `cfg`, or the newest checkpoint of `run_dir`, on the task's held-out split."""
+    task = build_task(cfg)
+    runner = build_reward_runner(cfg, task)
+    model, tokenizer, path = build_model(cfg, Path(cfg.log.run_dir or "."))
+    source = "base model"
+    if run_dir is not None:
+        found = load_latest(run_dir)
+        if found is None:
+            raise ValueError(f"--run-dir: no complete checkpoint under {run_dir / 'checkpoints'}")
+        source, ckpt = str(found[0]), found[1]
+        model.load_state_dict(ckpt["weights"], strict=False)
+    engine = build_engine(cfg, model, tokenizer, path)
+    try:
+        temp = cfg.train.eval_temperature or cfg.rollout.temperature
+        eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
+        params = SamplingParams(n=1, temperature=temp, max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=eos,
+                                seed=cfg.train.seed)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return {"source": source, "task": cfg.task.name,
+                **evaluate(engine, tokenizer, runner, list(task.eval), params, pad_id=pad)}
+    finally:
+        getattr(engine, "close", lambda: None)()
+
+
+class _Accumulator:
+    """Sums per-micro-batch stats as tensors; `result` divides once (no host sync until the step ends)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Tensor] = {}
+        self.weights: dict[str, Tensor] = {}
+        self.ratio_max = torch.zeros(())
+        self.grad_norms: list[Tensor] = []
+        self.hist = torch.zeros(len(MU_BUCKETS) + 1)
+
+    def _add(self, key: str, value: Tensor, weight: Tensor) -> None:
+        self.sums[key] = self.sums.get(key, 0) + value.detach().float() * weight
+        self.weights[key] = self.weights.get(key, 0) + weight
+
+    def add_loss(self, stats: dict[str, Tensor], loss: Tensor) -> None:
+        n = stats["n_tokens"]
+        for key in ("masked_frac", "ratio_mean", "ratio_above_cap_frac"):
+            if key in stats:
+                self._add(f"trust_region/{key}" if key == "masked_frac" else f"ratio/{key.replace('ratio_', '')}", stats[key], n)
+        for key, w in (("masked_frac_pos", "n_pos"), ("masked_frac_neg", "n_neg")):
+            if key in stats:
+                self._add(f"trust_region/{key}", stats[key], stats[w])
+        self.ratio_max = torch.maximum(self.ratio_max, stats["ratio_max"].float())
+        self._add("loss/policy", loss, torch.ones(()))
+        if "masked_mu_hist" in stats:
+            self.hist += stats["masked_mu_hist"]
+
+    def add_mismatch(self, batch: RolloutBatch, micro: Tensor, scores) -> None:
+        mask = batch.response_mask[micro]
+        n = mask.float().sum()
+        logp, mu = scores.logp.detach(), batch.rollout_logp[micro]
+        sel = lambda x: torch.where(mask, x, torch.zeros_like(x)).sum() / n.clamp(min=1)  # noqa: E731
+        self._add("mismatch/binary_tv_mean", sel(binary_tv(logp, mu)), n)
+        self._add("mismatch/binary_kl_mean", sel(binary_kl(logp, mu)), n)
+        self._add("mismatch/log_ratio_gt_log2_frac", sel(((logp - mu).abs() > math.log(2)).float()), n)
+        if scores.topk_logp is not None and batch.topk_logp is not None:
+            valid = batch.topk_valid[micro]
+            self._add("mismatch/topk_tv_mean", sel(topk_tv(scores.topk_logp, batch.topk_logp[micro], valid)), n)
+            self._add("mismatch/topk_kl_mean", sel(topk_kl(scores.topk_logp, batch.topk_logp[micro], valid)), n)
+        if scores.entropy is not None:
+            self._add("policy/entropy", sel(scores.entropy), n)
+
+    def add_grad_norm(self, grad_norm: Tensor) -> None:
+        self.grad_norms.append(grad_norm.float())
+
+    def result(self) -> dict[str, Tensor]:
+        out = {k: self.sums[k] / torch.as_tensor(self.weights[k]).clamp(min=1e-12) for k in self.sums}
+        out["ratio/max"] = self.ratio_max
+        norms = torch.stack(self.grad_norms)
+        out["optim/grad_norm"] = norms.mean()
+        out["optim/nonfinite_grad_steps"] = (~torch.isfinite(norms)).float().sum()
+        total = self.hist.sum().clamp(min=1)
+        edges = (0.0, *MU_BUCKETS, 1.0)
+        for i in range(len(edges) - 1):
+            out[f"trust_region/masked_mu_{edges[i]:g}-{edges[i + 1]:g}"] = self.hist[i] / total
+        return out
+
+
+def _masked_mu_histogram(keep: Tensor, rollout_logp: Tensor, mask: Tensor) -> Tensor:
+    """Counts of masked response tokens per µ(a_t) bucket (edges MU_BUCKETS)."""
+    with torch.no_grad():
+        bucket = torch.bucketize(rollout_logp.float().exp(), torch.tensor(MU_BUCKETS, device=rollout_logp.device))
+        return torch.bincount(bucket[(~keep) & mask], minlength=len(MU_BUCKETS) + 1).float().cpu()
+
+
+def _prompt_text(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,137 @@
+"""End-to-end trainer tests on the tiny random model: smoke run, every trust region, resume, bad input."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dppo.cli import main
+from dppo.config import ConfigError, replace
+from dppo.models import char_tokenizer, tiny_random_model
+from dppo.presets import get_preset
+from dppo.trainer import Trainer
+from dppo.trust_region import TRUST_REGIONS
+
+REWARD_SRC = '''
+def digit_fraction(completion, example):
+    """Shaped reward with signal even for a random model: the fraction of digit characters."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+'''
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reward") / "my_reward.py"
+    path.write_text(REWARD_SRC)
+    return f"{path}:digit_fraction"
+
+
+def _smoke(tmp_path, reward_file, **sections):
+    cfg = get_preset("smoke")
+    cfg = replace(cfg, task={"reward": reward_file}, train={"steps": 2, "eval_before": False},
+                  log={"run_dir": str(tmp_path), "tensorboard": False, "progress": False})
+    return replace(cfg, **sections) if sections else cfg
+
+
+REQUIRED_KEYS = {"step", "reward/mean", "trust_region/masked_frac", "mismatch/binary_tv_mean", "perf/tokens_per_s",
+                 "optim/grad_norm", "policy/entropy", "advantage/zero_group_frac", "perf/generation_s", "perf/training_s"}
+
+
+def test_smoke_preset_end_to_end_and_resume(tmp_path, reward_file):
+    run = tmp_path / "run"
+    rc = main(["train", "--preset", "smoke", "--run-dir", str(run), "--task.reward", reward_file, "--log.no-progress"])
+    assert rc == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
+        assert math.isfinite(r["loss/policy"]) and math.isfinite(r["optim/grad_norm"])
+    assert any(r["optim/grad_norm"] > 0 for r in rows)
+    # every trained parameter changed from its seeded initialisation
+    cfg = get_preset("smoke")
+    init = tiny_random_model(char_tokenizer(), hidden_size=cfg.model.tiny_hidden, num_layers=cfg.model.tiny_layers,
+                             seed=cfg.train.seed)
+    saved = load_file(str(run / "checkpoints" / "step_000003" / "model.safetensors"))
+    init_params = dict(init.named_parameters())
+    assert set(saved) == set(init_params)
+    unchanged = [n for n, p in init_params.items() if torch.equal(p.detach(), saved[n])]
+    assert not unchanged, f"parameters never updated: {unchanged}"
+    assert (run / "config.yaml").is_file() and (run / "curves.png").stat().st_size > 1000
+    assert (run / "samples.jsonl").read_text().strip() and (run / "eval.jsonl").read_text().strip()
+    assert list((run / "tb").iterdir())
+    # resume: continues at step 4 with the run's own config, up to the new step count
+    rc = main(["train", "--resume", str(run), "--train.steps", "5", "--log.no-progress"])
+    assert rc == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert (run / "checkpoints" / "step_000005" / "COMPLETE").is_file()
+
+
+CASES = [pytest.param({"trust_region": name, **({"relax_alpha": 0.1} if name == "ppo_clip_relax" else {})}, id=name)
+         for name in TRUST_REGIONS]
+CASES += [pytest.param({"trust_region": "dppo_binary_tv", "anchor": "recompute"}, id="dppo-recompute"),
+          pytest.param({"trust_region": "dppo_topk_kl", "anchor": "recompute"}, id="topk-kl-recompute"),
+          pytest.param({"trust_region": "ppo_clip", "anchor": "recompute"}, id="minirl"),
+          pytest.param({"loss": "drpo"}, id="drpo"),
+          pytest.param({"trust_region": "none", "is_cap": math.inf}, id="pg-is")]
+
+
+@pytest.mark.parametrize("loss", CASES)
+def test_each_trust_region_runs_two_steps(tmp_path, reward_file, loss):
+    rollout = {"top_k_logprobs": 5} if "topk" in loss.get("trust_region", "") else {}
+    cfg = _smoke(tmp_path, reward_file, loss=loss, **({"rollout": rollout} if rollout else {}))
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        m1, m2 = trainer.step(), trainer.step()
+    finally:
+        trainer.close()
+    for m in (m1, m2):
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    if rollout:
+        assert "mismatch/topk_tv_mean" in m1
+    changed = any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert changed
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"loss": {"trust_region": "dppo_topk_tv"}}, "rollout.top_k_logprobs"),
+        ({"train": {"mini_batches": 3}}, "train.mini_batches"),
+        ({"train": {"mini_batches": 8}}, "train.mini_batches"),
+        ({"rollout": {"group_size": 1}}, "rollout.group_size"),
+        ({"loss": {"trust_region": "nope"}}, "loss.trust_region"),
+        ({"loss": {"delta_high": 0.0}}, "loss.delta_high"),
+        ({"loss": {"aggregation": "mean"}}, "loss.aggregation"),
+        ({"loss": {"trust_region": "ppo_clip_relax"}}, "loss.relax_alpha"),
+        ({"task": {"options": "{not json"}}, "task.options"),
+        ({"optim": {"lr": -1.0}}, "optim.lr"),
+        ({"advantage": {"estimator": "gae"}}, "advantage.estimator"),
+    ],
+)
+def test_invalid_config_names_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        replace(get_preset("smoke"), **overrides)
+
+
+def test_bad_data_fails_before_any_model_is_loaded(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?"\n')
+    cfg = replace(get_preset("smoke"), model={"name": str(tmp_path / "no-such-model")},
+                  task={"name": "file", "options": json.dumps({"path": str(data), "prompt_column": "question",
+                                                               "answer_column": "answer"})},
+                  log={"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress": False})
+    with pytest.raises(ValueError, match=r"data\.jsonl.*2|line 2"):
+        Trainer(cfg, tmp_path / "run")
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    assert main(["train", "--preset", "nope"]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main(["frobnicate"]) == 2
