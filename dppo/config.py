@@ -113,8 +113,8 @@ class TaskConfig:
     '{"path": "data.jsonl", "prompt_column": "question", "answer_column": "answer"}'."""
     size: int = 2000
     """Number of generated training examples (generated tasks)."""
-    eval_size: int = 128
-    """Held-out evaluation examples, disjoint from the training questions."""
+    eval_size: int = 64
+    """Held-out evaluation questions, disjoint from the training questions."""
     seed: int = 0
     """Seed of the task generator and of the train/eval split."""
     reward: str = ""
@@ -258,6 +258,8 @@ class TrainConfig:
     """Evaluate on the held-out split every N steps (0 = only before and after training)."""
     eval_before: bool = True
     """Evaluate once before the first step."""
+    eval_samples_per_prompt: int = 1
+    """Responses sampled per held-out prompt; pass@1 is averaged over all of them."""
     eval_temperature: float | None = None
     """Sampling temperature of the eval (None = rollout.temperature)."""
     checkpoint_every: int = 0
@@ -268,7 +270,7 @@ class TrainConfig:
     """torch intra-op threads (0 = leave torch's default)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "epochs", "mini_batches", "micro_batch_size", "keep_checkpoints"):
+        for name in ("steps", "epochs", "mini_batches", "micro_batch_size", "keep_checkpoints", "eval_samples_per_prompt"):
             if getattr(self, name) < 1:
                 _fail(f"train.{name}", f"expected >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "checkpoint_every", "threads"):

@@ -263,7 +263,8 @@ class Trainer:
         """Sampled pass@1 and mean reward on held-out examples (one response each)."""
         examples = self.eval_examples if examples is None else examples
         temp = temperature or self.cfg.train.eval_temperature or self.cfg.rollout.temperature
-        params = self._sampling_params(10_000_000 + self.step_idx, n=1, temperature=temp, top_k=0)
+        params = self._sampling_params(10_000_000 + self.step_idx, n=self.cfg.train.eval_samples_per_prompt,
+                                       temperature=temp, top_k=0)
         return evaluate(self.engine, self.tokenizer, self.reward_runner, examples, params, pad_id=self.pad_id)
 
     def evaluate_and_log(self) -> dict[str, float]:
@@ -310,7 +311,7 @@ def engine_prompts(examples, tokenizer) -> list:
 
 
 def evaluate(engine, tokenizer, reward_runner, examples, params: SamplingParams, *, pad_id: int) -> dict[str, float]:
-    """One sampled response per example: pass@1 (reward >= 1), mean reward, mean response length."""
+    """params.n sampled responses per example: pass@1 (reward >= 1) and mean reward over all of them."""
     if not examples:
         raise ValueError("examples: the evaluation set is empty")
     batch = collate(engine.generate(engine_prompts(examples, tokenizer), params), pad_id=pad_id)
@@ -318,7 +319,7 @@ def evaluate(engine, tokenizer, reward_runner, examples, params: SamplingParams,
     completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
     rewards, _ = reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
     return {"pass@1": float((rewards >= 1.0 - 1e-6).float().mean()), "reward_mean": float(rewards.mean()),
-            "n": len(examples), "temperature": params.temperature,
+            "n": len(examples) * params.n, "temperature": params.temperature,
             "response_length": float(batch.response_lengths.float().mean())}
 
 
@@ -338,7 +339,7 @@ def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:
     try:
         temp = cfg.train.eval_temperature or cfg.rollout.temperature
         eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
-        params = SamplingParams(n=1, temperature=temp, max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=eos,
+        params = SamplingParams(n=cfg.train.eval_samples_per_prompt, temperature=temp, max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=eos,
                                 seed=cfg.train.seed)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return {"source": source, "task": cfg.task.name,

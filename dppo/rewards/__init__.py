@@ -1,0 +1,131 @@
+"""Rewards: plain functions `fn(completion: str, example: Example) -> float`.
+
+A reward gets the decoded completion (the response text only, without the prompt) and the `Example` it
+answers (`example.answer` is the gold answer, `example.metadata` whatever the task stored for scoring). It
+returns a finite float (1.0 / 0.0 for right / wrong; partial credit allowed), is pure (no state, no
+logging), and may raise: `RewardRunner` turns an exception or a timeout into reward 0.0 and counts it, and
+rejects NaN/inf with a ValueError naming the reward.
+
+Built-ins (`REWARDS`): exact_match, last_number, leading_number, math_verify, reasoning_gym (see
+`dppo.rewards.builtin`). Custom rewards by import path: `get_reward("mypkg.rewards:fn")` or
+`get_reward("path/to/file.py:fn")`.
+
+    runner = RewardRunner(get_reward("math_verify"), timeout_s=10.0)
+    rewards, stats = runner(completions, examples)   # float32 [B]; {"failures": int, "timeouts": int}
+
+Isolation (`RewardRunner(isolation=...)`): "process" (default for math_verify, reasoning_gym and every
+custom reward: a pool of worker processes; a call past its timeout gets its worker killed and replaced),
+"thread" (daemon threads; a timed-out call is abandoned, not stopped), "none" (in the calling thread, no
+timeout; default for the trusted regex built-ins exact_match, last_number, leading_number).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dppo.rewards.builtin import (
+    exact_match,
+    last_number_match,
+    leading_number,
+    math_verify_match,
+    reasoning_gym_score,
+)
+from dppo.tasks.base import RewardFn
+
+if TYPE_CHECKING:
+    from dppo.rewards.runner import RewardRunner
+
+REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "last_number": last_number_match,
+    "leading_number": leading_number,
+    "math_verify": math_verify_match,
+    "reasoning_gym": reasoning_gym_score,
+}
+
+TRUSTED: tuple[RewardFn, ...] = (exact_match, last_number_match, leading_number)
+"""Built-ins that are pure regex/string code: RewardRunner runs them in-thread (isolation "none") by default."""
+
+SPEC_ATTRIBUTE = "__dppo_reward_spec__"
+"""Set on functions loaded from a file path, so worker processes can load them again by that path."""
+
+
+def _load_file_module(path_text: str, spec: str):
+    path = Path(path_text).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"reward {spec!r}: file not found: {path}")
+    name = f"_dppo_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name], str(path)
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise ValueError(f"reward {spec!r}: importing {path} failed: {type(err).__name__}: {err}") from err
+    return module, str(path)
+
+
+def get_reward(name_or_path: str | RewardFn) -> RewardFn:
+    """A reward by registry name, "module.path:function" or "path/to/file.py:function" (callables pass through).
+
+    Raises ValueError naming the problem: unknown name (listing valid names), module or file not found,
+    attribute missing (listing what the module defines), attribute not callable.
+    """
+    if callable(name_or_path):
+        return name_or_path
+    spec = name_or_path
+    if spec in REWARDS:
+        return REWARDS[spec]
+    module_part, _, attr = spec.rpartition(":")
+    if not module_part or not attr:
+        raise ValueError(
+            f"unknown reward {spec!r}; valid names: {', '.join(REWARDS)}, "
+            "or an import path 'package.module:function' / 'path/to/file.py:function'"
+        )
+    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+        module, file_path = _load_file_module(module_part, spec)
+    else:
+        file_path = None
+        try:
+            module = importlib.import_module(module_part)
+        except ImportError as err:
+            raise ValueError(f"reward {spec!r}: cannot import module {module_part!r}: {err}") from err
+    fn: Any = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+            raise ValueError(f"reward {spec!r}: {module_part!r} has no attribute {attr!r}; it defines {defined}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not a callable")
+    if file_path is not None:
+        try:
+            setattr(fn, SPEC_ATTRIBUTE, f"{file_path}:{attr}")
+        except (AttributeError, TypeError):
+            pass  # a callable without __dict__ stays usable with isolation "thread" / "none"
+    return fn
+
+
+def default_isolation(fn: RewardFn) -> str:
+    """ "none" for the trusted regex built-ins, "process" for everything else."""
+    return "none" if any(fn is trusted for trusted in TRUSTED) else "process"
+
+
+def __getattr__(name: str) -> Any:
+    # RewardRunner needs torch; reward worker processes import this package and must start without it.
+    if name == "RewardRunner":
+        from dppo.rewards.runner import RewardRunner
+
+        return RewardRunner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["REWARDS", "RewardFn", "RewardRunner", "TRUSTED", "default_isolation", "get_reward"]
