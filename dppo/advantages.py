@@ -53,9 +53,9 @@ def group_zscore(rewards: Tensor, group_size: int, *, eps: float = 1e-6) -> tupl
 
 def rloo(rewards: Tensor, group_size: int, *, eps: float = 1e-6) -> tuple[Tensor, dict[str, Tensor]]:
     """Â = R − mean of the other G−1 rewards (leave-one-out). Needs G ≥ 2."""
+    g = _groups(rewards, group_size)
     if group_size < 2:
         raise ValueError(f"group_size: rloo needs >= 2 responses per prompt, got {group_size}")
-    g = _groups(rewards, group_size)
     others = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
     return _finish(g - others, g)
 

@@ -11,8 +11,12 @@ All functions are pure, take log-probabilities and return D(µ ‖ π) (directio
 
 Each partition estimate is a lower bound of the full divergence (App. B, data-processing inequality).
 Inputs of 16-bit float dtypes are computed and returned in float32; float32/float64 stay as they are.
-NaN inputs propagate to NaN outputs (nothing is silently made finite); a probability of exactly 0 where
-the other policy has mass gives KL = inf, which is the true value.
+NaN inputs propagate to NaN outputs (nothing is silently made finite), except in Top-K slots marked
+invalid, which are ignored. A probability of exactly 0 where µ has mass (log π = −inf) gives KL = inf, the
+true value; µ = 0 contributes 0 (0 log 0 = 0). The complement masses 1 − q (Binary-KL, and the Top-K
+"other" cell) are clamped to ≥ the dtype's smallest normal number, so π(a_t) = 1 exactly, or π's cells
+summing to ≥ 1 after rounding, gives a large finite KL term (≈ µ(rest)·(log µ(rest) + 87) in float32)
+instead of inf.
 """
 
 from __future__ import annotations
@@ -56,9 +60,8 @@ def binary_kl(logp: Tensor, rollout_logp: Tensor) -> Tensor:
     (rounding can make it a hair negative when µ ≈ π).
     """
     logp, rollout_logp = _prep(logp, rollout_logp)
-    m = rollout_logp.exp()
     one_minus_m = -torch.expm1(rollout_logp)
-    kl = m * (rollout_logp - logp) + one_minus_m * (log1mexp(rollout_logp) - log1mexp(logp))
+    kl = _kl_terms(rollout_logp, logp) + one_minus_m * (log1mexp(rollout_logp) - log1mexp(logp))
     return kl.clamp(min=0.0)
 
 
@@ -72,7 +75,7 @@ def _topk_cells(logp: Tensor, rollout_logp: Tensor, valid: Tensor | None) -> tup
     else:
         check_tensor("valid", valid, dtype=torch.bool)
         check_same("valid", valid, "logp", logp, dtype=False)
-    neg_inf = torch.tensor(float("-inf"), dtype=logp.dtype, device=logp.device)
+    neg_inf = torch.full_like(logp, float("-inf"))  # a fill on logp's device, no host-to-device copy
     # log Σ_S q over valid cells, then log(1 − Σ) = log1mexp(·): accurate when the cells hold almost all mass.
     lse_p = torch.logsumexp(torch.where(valid, logp, neg_inf), dim=-1)
     lse_m = torch.logsumexp(torch.where(valid, rollout_logp, neg_inf), dim=-1)
@@ -94,9 +97,12 @@ def topk_tv(logp: Tensor, rollout_logp: Tensor, valid: Tensor | None = None) -> 
 
 
 def _kl_terms(log_m: Tensor, log_p: Tensor) -> Tensor:
-    """µ log(µ/π) per cell with 0 log 0 = 0 (µ = 0 contributes nothing, whatever π is)."""
+    """µ log(µ/π) per cell with 0 log 0 = 0 (µ = 0 contributes nothing, whatever finite or −inf π is).
+
+    NaN in either input gives NaN (the test is `m == 0`, not `m > 0`, so a NaN µ is not dropped as zero).
+    """
     m = log_m.exp()
-    return torch.where(m > 0, m * (log_m - log_p), torch.zeros_like(m))
+    return torch.where((m == 0) & ~torch.isnan(log_p), torch.zeros_like(m), m * (log_m - log_p))
 
 
 def topk_kl(logp: Tensor, rollout_logp: Tensor, valid: Tensor | None = None) -> Tensor:

@@ -15,8 +15,13 @@ In the seq-mean modes a sequence with no active token is left out of the count. 
 given explicitly (`denominator`, computed over the whole mini-batch and all ranks with
 `aggregation_denominator`) so that summing the losses of micro-batches gives exactly the mini-batch loss.
 
-NaN/inf in an active token's inputs propagate to the loss (masking multiplies, it never selects them
-away); padding positions are dropped with `torch.where`, so garbage there cannot leak in.
+Precision: ratios, coefficients and the aggregated loss are computed in float32 for 16-bit `logp` (the
+gradient still reaches `logp` in its own dtype), in logp's dtype otherwise.
+
+NaN/inf in an active token's inputs (logp, rollout_logp, adv, or the Top-K `divergence`) propagate to the
+loss as NaN (masking multiplies, it never selects them away; a NaN divergence, which no comparison would
+mask, is turned into a NaN coefficient). Padding positions are dropped with `torch.where`, both in the loss
+and in the coefficient that multiplies logp, so garbage there reaches neither the loss nor any gradient.
 """
 
 from __future__ import annotations
@@ -112,8 +117,12 @@ def _mask_params(trust_region: str, given: dict) -> dict:
         value = default if value is None else value
         if value is None:
             raise ValueError(f"{key}: required by trust_region {trust_region!r} (no default)")
-        if key.startswith(("delta", "eps")) or key in ("relax_alpha",):
+        if key.startswith(("delta", "eps")) or key in ("relax_alpha", "cppo_delta_b_min"):
             check_positive(key, value)
+        elif key in ("cppo_w_min", "cppo_q") and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+            raise ValueError(f"{key}: expected a number in [0, 1], got {value!r}")
+        elif key == "cppo_k" and not (isinstance(value, (int, float)) and value >= 0.0):
+            raise ValueError(f"{key}: expected a number >= 0, got {value!r}")
         params[key] = value
     return params
 
@@ -164,7 +173,8 @@ def policy_loss(
 
     Returns (loss scalar, metrics): metrics are detached scalar tensors — masked_frac, masked_frac_pos,
     masked_frac_neg (over active tokens, all/Â>0/Â<0), ratio_mean, ratio_max, ratio_above_cap_frac, and
-    the counts n_tokens, n_pos, n_neg to weight them when combining micro-batches.
+    the counts n_tokens, n_pos, n_neg to weight them when combining micro-batches, and `keep` itself
+    ([B, T] bool, the trust-region mask) for per-token diagnostics.
     """
     check_choice("trust_region", trust_region, TRUST_REGIONS)
     check_choice("anchor", anchor, ANCHORS)
@@ -190,17 +200,29 @@ def policy_loss(
         anchor_logp = rollout_logp.detach()
     mask = response_mask.bool()
 
+    dtype = _compute_dtype(logp)
     with torch.no_grad():
-        logp_d = logp.detach().float()
-        log_ratio = (logp_d - rollout_logp.float()).clamp(max=MAX_LOG_RATIO)
+        logp_d = logp.detach().to(dtype)
+        log_ratio = (logp_d - rollout_logp.detach().to(dtype)).clamp(max=MAX_LOG_RATIO)
         ratio = log_ratio.exp()
         weight = ratio.clamp(max=is_cap) if math.isfinite(is_cap) else ratio
-        keep = TRUST_REGIONS[trust_region].fn(logp_d, anchor_logp.float(), adv.float(), mask, divergence, **params)
-        coef = keep.to(weight.dtype) * weight * adv.float()
+        adv_c = adv.detach().to(dtype)
+        keep = TRUST_REGIONS[trust_region].fn(logp_d, anchor_logp.to(dtype), adv_c, mask, divergence, **params)
+        coef = keep.to(dtype) * weight * adv_c
+        if divergence is not None and needs_divergence(trust_region):
+            # A NaN divergence never masks (comparisons are False); make it poison the loss instead.
+            coef = torch.where(torch.isnan(divergence), torch.full_like(coef, float("nan")), coef)
+        # Padding gets coefficient 0, so garbage there (NaN/inf µ or Â) cannot reach logp's gradient.
+        coef = torch.where(mask, coef, torch.zeros_like(coef))
 
-    loss_tok = -(coef.to(logp.dtype) * logp)
+    loss_tok = -(coef * logp.to(dtype))
     loss = aggregate(loss_tok, mask, aggregation, max_response_len=max_response_len, denominator=denominator)
-    return loss, _metrics(mask, keep, adv, ratio, is_cap)
+    return loss, _metrics(mask, keep, adv_c, ratio, is_cap)
+
+
+def _compute_dtype(logp: Tensor) -> torch.dtype:
+    """float32 for 16-bit inputs (ratios and the aggregated sum in 16 bits lose ~3 digits), else logp's dtype."""
+    return torch.promote_types(logp.dtype, torch.float32)
 
 
 @torch.no_grad()
@@ -220,6 +242,7 @@ def _metrics(mask: Tensor, keep: Tensor, adv: Tensor, ratio: Tensor, is_cap: flo
         "n_tokens": n,
         "n_pos": n_pos,
         "n_neg": n_neg,
+        "keep": keep,
     }
 
 
@@ -243,9 +266,12 @@ def drpo_loss(
     check_positive("delta", delta)
     adv = _check_inputs(logp, rollout_logp, adv, response_mask)
     mask = response_mask.bool()
-    rollout_logp = rollout_logp.detach().to(logp.dtype)
-    ratio = torch.exp((logp - rollout_logp).clamp(max=MAX_LOG_RATIO))
-    adv = adv.to(logp.dtype)
+    dtype = _compute_dtype(logp)
+    # Padding replaced by 0 before any arithmetic: garbage there must not reach logp's gradient.
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+    rollout_logp = torch.where(mask, rollout_logp.detach().to(dtype), zero)
+    ratio = torch.exp((torch.where(mask, logp.to(dtype), zero) - rollout_logp).clamp(max=MAX_LOG_RATIO))
+    adv = torch.where(mask, adv.detach().to(dtype), zero)
     loss_tok = -(ratio * adv - adv.abs() / (2.0 * delta) * rollout_logp.exp() * (ratio - 1.0) ** 2)
     loss = aggregate(loss_tok, mask, aggregation, max_response_len=max_response_len, denominator=denominator)
     with torch.no_grad():

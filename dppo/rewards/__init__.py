@@ -6,7 +6,7 @@ returns a finite float (1.0 / 0.0 for right / wrong; partial credit allowed), is
 logging), and may raise: `RewardRunner` turns an exception or a timeout into reward 0.0 and counts it, and
 rejects NaN/inf with a ValueError naming the reward.
 
-Built-ins (`REWARDS`): exact_match, last_number, leading_number, math_verify, reasoning_gym (see
+Built-ins (`REWARDS`): exact_match, last_number, leading_number, digit_fraction, math_verify, reasoning_gym (see
 `dppo.rewards.builtin`). Custom rewards by import path: `get_reward("mypkg.rewards:fn")` or
 `get_reward("path/to/file.py:fn")`.
 
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dppo.rewards.builtin import (
+    digit_fraction,
     exact_match,
     last_number_match,
     leading_number,
@@ -44,11 +45,12 @@ REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "last_number": last_number_match,
     "leading_number": leading_number,
+    "digit_fraction": digit_fraction,
     "math_verify": math_verify_match,
     "reasoning_gym": reasoning_gym_score,
 }
 
-TRUSTED: tuple[RewardFn, ...] = (exact_match, last_number_match, leading_number)
+TRUSTED: tuple[RewardFn, ...] = (exact_match, last_number_match, leading_number, digit_fraction)
 """Built-ins that are pure regex/string code: RewardRunner runs them in-thread (isolation "none") by default."""
 
 SPEC_ATTRIBUTE = "__dppo_reward_spec__"

@@ -3,6 +3,7 @@ import them by reference).
 
 - `exact_match`: the whole completion equals the answer after whitespace normalisation.
 - `last_number_match`: the last number in the completion equals the (numeric) answer.
+- `digit_fraction`: the fraction of digit characters (a shaped reward for the smoke preset).
 - `leading_number`: the digits at the start of the completion equal the answer (the tiny `addition` task).
 - `math_verify_match`: math-verify's `parse` / `verify` (\\boxed{}, LaTeX, plain expressions, the last
   number); the content of an <answer> tag is used when present.
@@ -47,6 +48,20 @@ def last_number_match(completion: str, example: Example) -> float:
     """
     number = last_number(completion)
     return float(number is not None and numbers_equal(number, example.answer))
+
+
+def digit_fraction(completion: str, example: Example) -> float:
+    """The fraction of the completion's characters that are digits (0 for an empty completion).
+
+    A shaped reward with signal even for a random character-level model: the `smoke` preset uses it so that
+    every step has nonzero advantages and gradients. Not a correctness reward.
+
+    >>> from dppo.tasks import Example
+    >>> ex = Example(prompt="1+2=", answer="3")
+    >>> digit_fraction("3", ex), digit_fraction("3a", ex), digit_fraction("", ex)
+    (1.0, 0.5, 0.0)
+    """
+    return sum(c.isdigit() for c in completion) / len(completion) if completion else 0.0
 
 
 def leading_number(completion: str, example: Example) -> float:
