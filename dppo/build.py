@@ -77,6 +77,7 @@ def build_model(cfg: Config, run_dir: Path):
         model = models.load_model(path, dtype=dtype)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    model.to(resolve_device(m.device))
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = True
@@ -87,6 +88,15 @@ def build_model(cfg: Config, run_dir: Path):
                                                  target_modules=list(m.lora_target_modules), lora_dropout=0.0))
     model.train()
     return model, tokenizer, path
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device: {name!r} requested but CUDA is not available")
+    return device
 
 
 def resolve_engine_name(name: str) -> str:

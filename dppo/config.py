@@ -45,6 +45,8 @@ class ModelConfig:
     """Built-in model name (smollm2-135m, tiny-random) or a local transformers model folder."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the trainer's weights (the master copy the optimizer updates)."""
+    device: str = "auto"
+    """Trainer device: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
     autocast_bf16: bool = False
     """Run the trainer's forward/backward under bf16 autocast (weights stay in `dtype`)."""
     gradient_checkpointing: bool = False

@@ -78,6 +78,7 @@ class Trainer:
         self.reward_runner = build_reward_runner(cfg, self.task)
         self.model, self.tokenizer, self.model_path = build_model(cfg, self.run_dir)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.device = next(self.model.parameters()).device
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                            weight_decay=cfg.optim.weight_decay)
         warm = cfg.optim.warmup_steps
@@ -120,13 +121,15 @@ class Trainer:
         examples = [self.train_examples[i] for i in self.sampler.next(cfg.rollout.prompts_per_step)]
         with timer.time("generation"):
             rollouts = self.engine.generate(engine_prompts(examples, self.tokenizer), self._sampling_params(self.step_idx))
-            batch = collate(rollouts, pad_id=self.pad_id)
+            batch = collate(rollouts, pad_id=self.pad_id).to(self.device)
         with timer.time("reward"):
             completions = self._decode(batch)
             rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
+            rewards = rewards.to(self.device)
             adv, adv_stats = compute_advantages(cfg.advantage.estimator, rewards, cfg.rollout.group_size, eps=cfg.advantage.eps)
         with timer.time("recompute"):
-            old = self._score(batch, torch.arange(len(rollouts)), grad=False) if cfg.loss.anchor == "recompute" else None
+            old = self._score(batch, torch.arange(len(rollouts), device=self.device), grad=False) \
+                if cfg.loss.anchor == "recompute" else None
         with timer.time("training"):
             update_stats = self._update(batch, adv, old)
         with timer.time("sync"):
@@ -156,8 +159,8 @@ class Trainer:
     def _score(self, batch: RolloutBatch, idx: Tensor, *, grad: bool, with_entropy: bool = False):
         """π's log-probs (and top-K cells, entropy) for the sequences `idx` of the batch."""
         cfg = self.cfg
-        autocast = torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16) \
-            if cfg.model.autocast_bf16 else contextlib.nullcontext()
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.model.autocast_bf16 \
+            else contextlib.nullcontext()
         with (contextlib.nullcontext() if grad else torch.no_grad()), autocast:
             return score_responses(
                 self.model, [batch.prompt_ids[i] for i in idx.tolist()], batch.response_ids[idx], batch.response_mask[idx],
@@ -171,12 +174,12 @@ class Trainer:
         G, M = self.cfg.rollout.group_size, self.cfg.train.mini_batches
         gen = torch.Generator().manual_seed(self.cfg.train.seed * 7919 + self.step_idx * 31 + epoch)
         groups = torch.randperm(B // G, generator=gen) if epoch > 0 or M > 1 else torch.arange(B // G)
-        seqs = (groups[:, None] * G + torch.arange(G)[None, :]).reshape(-1)
+        seqs = (groups[:, None] * G + torch.arange(G)[None, :]).reshape(-1).to(self.device)
         return list(seqs.chunk(M))
 
     def _update(self, batch: RolloutBatch, adv: Tensor, old) -> dict[str, Any]:
         cfg = self.cfg
-        acc = _Accumulator()
+        acc = _Accumulator(self.device)
         first = True
         for epoch in range(cfg.train.epochs):
             for mb in self._minibatches(batch.response_ids.shape[0], epoch):
@@ -351,12 +354,12 @@ def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:
 class _Accumulator:
     """Sums per-micro-batch stats as tensors; `result` divides once (no host sync until the step ends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.sums: dict[str, Tensor] = {}
         self.weights: dict[str, Tensor] = {}
-        self.ratio_max = torch.zeros(())
+        self.ratio_max = torch.zeros((), device=device)
         self.grad_norms: list[Tensor] = []
-        self.hist = torch.zeros(len(MU_BUCKETS) + 1)
+        self.hist = torch.zeros(len(MU_BUCKETS) + 1, device=device)
 
     def _add(self, key: str, value: Tensor, weight: Tensor) -> None:
         self.sums[key] = self.sums.get(key, 0) + value.detach().float() * weight
@@ -371,7 +374,7 @@ class _Accumulator:
             if key in stats:
                 self._add(f"trust_region/{key}", stats[key], stats[w])
         self.ratio_max = torch.maximum(self.ratio_max, stats["ratio_max"].float())
-        self._add("loss/policy", loss, torch.ones(()))
+        self._add("loss/policy", loss, torch.ones((), device=loss.device))
         if "masked_mu_hist" in stats:
             self.hist += stats["masked_mu_hist"]
 
@@ -410,7 +413,7 @@ def _masked_mu_histogram(keep: Tensor, rollout_logp: Tensor, mask: Tensor) -> Te
     """Counts of masked response tokens per µ(a_t) bucket (edges MU_BUCKETS)."""
     with torch.no_grad():
         bucket = torch.bucketize(rollout_logp.float().exp(), torch.tensor(MU_BUCKETS, device=rollout_logp.device))
-        return torch.bincount(bucket[(~keep) & mask], minlength=len(MU_BUCKETS) + 1).float().cpu()
+        return torch.bincount(bucket[(~keep) & mask], minlength=len(MU_BUCKETS) + 1).float()
 
 
 def _prompt_text(prompt) -> str:

@@ -8,7 +8,6 @@ mini-batches per rollout batch trains it. Fixed seeds; the margins are assertion
 import json
 
 import pytest
-import torch
 
 from dppo.config import Config, replace
 from dppo.models import char_tokenizer, save_model, tiny_random_model
@@ -44,7 +43,6 @@ def learning_config(model_dir, run_dir, trust_region="dppo_binary_tv") -> Config
 
 
 def test_dppo_raises_training_reward(warm_model, tmp_path):
-    torch.set_num_threads(2)
     trainer = Trainer(learning_config(warm_model, tmp_path), tmp_path)
     try:
         results = trainer.train()

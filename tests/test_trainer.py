@@ -135,3 +135,58 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path)]) == 2
     assert "--resume" in capsys.readouterr().err
     assert main(["frobnicate"]) == 2
+
+
+BAD_REWARDS = '''
+import time
+
+def raises(completion, example):
+    raise RuntimeError("boom")
+
+def hangs(completion, example):
+    time.sleep(3600)
+'''
+
+
+def test_failing_and_hanging_rewards_are_contained(tmp_path):
+    path = tmp_path / "bad_rewards.py"
+    path.write_text(BAD_REWARDS)
+    for fn, key in (("raises", "reward/failures"), ("hangs", "reward/timeouts")):
+        cfg = replace(_smoke(tmp_path / fn, f"{path}:{fn}"), task={"reward_timeout_s": 1.0},
+                      rollout={"prompts_per_step": 2, "group_size": 2}, train={"mini_batches": 1})
+        trainer = Trainer(cfg, tmp_path / fn)
+        try:
+            metrics = trainer.step()
+        finally:
+            trainer.close()
+        assert metrics["reward/mean"] == 0.0
+        assert metrics[key] == 4.0, metrics
+
+
+def test_lora_trains_only_the_adapter_and_syncs_merged_weights(tmp_path, reward_file):
+    cfg = _smoke(tmp_path, reward_file, model={"lora_rank": 4, "lora_target_modules": ("q_proj", "v_proj")})
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        trainer.step()
+        names = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+        assert names and all("lora_" in n for n in names)
+        # after the sync, the engine scores like the trainer's merged model
+        m = trainer.step()
+        assert m["mismatch/binary_tv_mean"] < 1e-5, m["mismatch/binary_tv_mean"]
+        path = trainer.save()
+    finally:
+        trainer.close()
+    saved = load_file(str(path / "model.safetensors"))
+    assert set(saved) == names
+
+
+def test_eval_command_on_a_run(tmp_path, reward_file, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "smoke", "--run-dir", str(run), "--task.reward", reward_file,
+                 "--train.steps", "1", "--log.no-progress", "--log.no-tensorboard"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--run-dir", str(run)]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["source"].endswith("step_000001") and 0.0 <= out["reward_mean"] <= 1.0 and out["n"] == 16
+    assert main(["plot", str(run), str(run), "--out", str(tmp_path / "cmp.png")]) == 0
+    assert (tmp_path / "cmp.png").stat().st_size > 1000

@@ -109,6 +109,16 @@ class RolloutBatch:
     """[B, T, K+1] bool or None (False at padding)."""
     extras: dict = field(default_factory=dict)
 
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        """A copy with every tensor on `device` (prompt id tensors stay where they are: they are small)."""
+        move = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids, prompt_index=self.prompt_index, response_ids=move(self.response_ids),
+            response_mask=move(self.response_mask), rollout_logp=move(self.rollout_logp),
+            finish_reason=self.finish_reason, weight_version=self.weight_version, topk_ids=move(self.topk_ids),
+            topk_logp=move(self.topk_logp), topk_valid=move(self.topk_valid), extras=self.extras,
+        )
+
     @property
     def response_lengths(self) -> Tensor:
         """[B] int64."""
