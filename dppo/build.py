@@ -112,8 +112,11 @@ def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | No
     r = cfg.rollout
     name = resolve_engine_name(r.engine)
     if name == "hf":
-        return make_engine("hf", model=merged_model_copy(model), tokenizer=tokenizer, dtype=_DTYPES[r.dtype],
-                           seed=cfg.train.seed)
+        import copy
+
+        engine_model = merged_model_copy(model) if hasattr(model, "get_base_model") else copy.deepcopy(model)
+        return make_engine("hf", model=engine_model, tokenizer=tokenizer, dtype=_DTYPES[r.dtype], seed=cfg.train.seed,
+                           copy=False)
     if model_path is None or cfg.model.lora_rank:  # the engine loads from a folder: write the initial weights
         model_path = Path(cfg.log.run_dir or ".") / "engine_init"
         models.save_model(merged_model_copy(model), tokenizer, model_path)

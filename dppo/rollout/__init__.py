@@ -1,8 +1,33 @@
 """Rollout engines: sample responses and record the log-probs of the distribution sampled from (µ).
 
-`make_engine(name, ...)` builds one from the `ENGINES` registry; `vllm` is imported only by its module.
+`make_engine(name, ...)` builds one from the `ENGINES` registry. Engines are imported only when made, so
+`vllm` is imported only by `dppo.rollout.vllm` (and only when that engine is asked for).
 """
+
+from __future__ import annotations
+
+import importlib
 
 from dppo.rollout.base import Engine, Rollout, RolloutBatch, SamplingParams, collate
 
-__all__ = ["Engine", "Rollout", "RolloutBatch", "SamplingParams", "collate"]
+ENGINES: dict[str, str] = {
+    "hf": "dppo.rollout.hf:HFEngine",
+    "vllm": "dppo.rollout.vllm:VLLMEngine",
+}
+"""Engine name -> "module:Class" (imported lazily by `engine_class`)."""
+
+
+def engine_class(name: str) -> type:
+    """The engine class registered under `name` (imports its module)."""
+    if name not in ENGINES:
+        raise ValueError(f"name: unknown engine {name!r}; valid names: {', '.join(sorted(ENGINES))}")
+    module, cls = ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_engine(name: str, *args, **kwargs) -> Engine:
+    """Build engine `name` with the given constructor arguments, e.g. `make_engine("hf", "tiny-random")`."""
+    return engine_class(name)(*args, **kwargs)
+
+
+__all__ = ["ENGINES", "Engine", "Rollout", "RolloutBatch", "SamplingParams", "collate", "engine_class", "make_engine"]

@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny seeded random causal LMs and a character-level ChatML tokenizer, built in process.
+
+Nothing here reads or downloads weights. Models are session-scoped and must not be modified by tests
+(engines copy them; tests that change weights build their own with `make_tiny_model`).
+
+Tests run torch on one thread (override with DPPO_TEST_THREADS): the models are tiny, and on a shared
+2-core machine OpenMP synchronisation across 2 threads made small matmuls 10-50x slower than on one.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from dppo.models import char_tokenizer, tiny_random_model
+
+torch.set_num_threads(int(os.environ.get("DPPO_TEST_THREADS", "1")))
+
+TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, initializer_range=0.2)
+"""The test model: ~80k parameters; initializer_range 0.2 makes next-token distributions peaked enough
+(entropy ~3.4 nats over 100 tokens) that top-K and stopping behave like a real model's, not uniform noise."""
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """Character-level ChatML tokenizer (pad 0, eos ``<|im_end|>`` 1, vocab 100)."""
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tokenizer):
+    """Factory: `make_tiny_model(seed=0, **overrides)` -> a fresh tiny Qwen2 matching `tokenizer`."""
+
+    def make(seed: int = 0, **overrides) -> nn.Module:
+        return tiny_random_model(tokenizer, **{**TINY, "seed": seed, **overrides})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(make_tiny_model):
+    """The shared tiny model (seed 0, float32, eval mode). Do not modify it."""
+    return make_tiny_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def chat_prompts():
+    """Three chat prompts of different lengths (arithmetic questions)."""
+    return [
+        [{"role": "user", "content": "What is 2+3?"}],
+        [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "Compute 17*23-4."}],
+        [{"role": "user", "content": "Is 91 prime? Say yes or no, then explain why in one sentence."}],
+    ]
+
+
+@pytest.fixture(scope="session")
+def with_logit_bias():
+    """`with_logit_bias(model, {token_id: bias})` -> a copy whose lm-head adds `bias` to those logits.
+
+    The lm-head is untied (a new Linear with the embedding weights plus a bias), so e.g. a large EOS bias makes
+    stopping deterministic and a moderate one makes it frequent, without touching the input embeddings.
+    """
+
+    def apply(model: nn.Module, biases: dict[int, float]) -> nn.Module:
+        model = copy.deepcopy(model)
+        old = model.get_output_embeddings()
+        head = nn.Linear(old.in_features, old.out_features, bias=True)
+        with torch.no_grad():
+            head.weight.copy_(old.weight)
+            head.bias.zero_()
+            for token, bias in biases.items():
+                head.bias[token] = bias
+        model.config.tie_word_embeddings = False
+        model.set_output_embeddings(head)
+        return model.eval()
+
+    return apply
