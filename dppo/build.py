@@ -68,8 +68,9 @@ def build_model(cfg: Config, run_dir: Path):
     dtype = _DTYPES[m.dtype]
     if m.name == "tiny-random":
         tokenizer = models.char_tokenizer()
+        heads = max(1, m.tiny_hidden // 32)  # head size 32: supported by every attention backend (vLLM CPU too)
         model = models.tiny_random_model(tokenizer, hidden_size=m.tiny_hidden, num_layers=m.tiny_layers,
-                                         seed=cfg.train.seed, dtype=dtype)
+                                         num_heads=heads, num_kv_heads=heads, seed=cfg.train.seed, dtype=dtype)
         path = None
     else:
         path = models.resolve_model_path(m.name)
@@ -106,7 +107,6 @@ def resolve_engine_name(name: str) -> str:
 
 
 def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | None):
-    from dppo import models
     from dppo.rollout import make_engine
 
     r = cfg.rollout
@@ -117,13 +117,13 @@ def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | No
         engine_model = merged_model_copy(model) if hasattr(model, "get_base_model") else copy.deepcopy(model)
         return make_engine("hf", model=engine_model, tokenizer=tokenizer, dtype=_DTYPES[r.dtype], seed=cfg.train.seed,
                            copy=False)
-    if model_path is None or cfg.model.lora_rank:  # the engine loads from a folder: write the initial weights
-        model_path = Path(cfg.log.run_dir or ".") / "engine_init"
-        models.save_model(merged_model_copy(model), tokenizer, model_path)
-    engine = make_engine("vllm", model_path=str(model_path), dtype=r.dtype, seed=cfg.train.seed,
-                         max_logprobs=max(20, r.top_k_logprobs), kv_cache_gb=r.vllm_kv_cache_gb,
-                         gpu_memory_utilization=r.vllm_gpu_memory_utilization)
-    sync_weights(engine, model)  # the same weights as the trainer, whatever the folder held
+    # vLLM loads from a folder: the built-in's folder when the weights are untouched, else the engine saves
+    # the (merged) module to a temporary folder itself. Either way the trainer's weights are synced in.
+    source = model_path if model_path is not None and not cfg.model.lora_rank else merged_model_copy(model)
+    extra = {"gpu_memory_utilization": r.vllm_gpu_memory_utilization} if torch.cuda.is_available() else {}
+    engine = make_engine("vllm", source, tokenizer, dtype=r.dtype, seed=cfg.train.seed,
+                         max_logprobs=max(20, r.top_k_logprobs), kv_cache_gb=r.vllm_kv_cache_gb, **extra)
+    sync_weights(engine, model)
     return engine
 
 

@@ -52,8 +52,9 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path, reward_file):
     assert any(r["optim/grad_norm"] > 0 for r in rows)
     # every trained parameter changed from its seeded initialisation
     cfg = get_preset("smoke")
+    heads = cfg.model.tiny_hidden // 32
     init = tiny_random_model(char_tokenizer(), hidden_size=cfg.model.tiny_hidden, num_layers=cfg.model.tiny_layers,
-                             seed=cfg.train.seed)
+                             num_heads=heads, num_kv_heads=heads, seed=cfg.train.seed)
     saved = load_file(str(run / "checkpoints" / "step_000003" / "model.safetensors"))
     init_params = dict(init.named_parameters())
     assert set(saved) == set(init_params)
