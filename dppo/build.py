@@ -120,9 +120,11 @@ def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | No
     # vLLM loads from a folder: the built-in's folder when the weights are untouched, else the engine saves
     # the (merged) module to a temporary folder itself. Either way the trainer's weights are synced in.
     source = model_path if model_path is not None and not cfg.model.lora_rank else merged_model_copy(model)
-    extra = {"gpu_memory_utilization": r.vllm_gpu_memory_utilization} if torch.cuda.is_available() else {}
+    # On CUDA the engine shares the GPU with the trainer (a memory fraction); on CPU its KV cache is bounded in GB.
+    extra = ({"gpu_memory_utilization": r.vllm_gpu_memory_utilization} if torch.cuda.is_available()
+             else {"kv_cache_gb": r.vllm_kv_cache_gb})
     engine = make_engine("vllm", source, tokenizer, dtype=r.dtype, seed=cfg.train.seed,
-                         max_logprobs=max(20, r.top_k_logprobs), kv_cache_gb=r.vllm_kv_cache_gb, **extra)
+                         max_logprobs=max(20, r.top_k_logprobs), **extra)
     sync_weights(engine, model)
     return engine
 

@@ -85,9 +85,15 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     """The tokenizer that goes with `load_model(name_or_path)`."""
     if str(name_or_path) == "tiny-random":
         return char_tokenizer()
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), local_files_only=True)
+    path = resolve_model_path(name_or_path)
+    config = path / "tokenizer_config.json"
+    if config.is_file() and json.loads(config.read_text()).get("tokenizer_class") in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        # A generic tokenizer (e.g. the character-level one): AutoTokenizer would pick the *model's* tokenizer
+        # class (Qwen2Tokenizer for the tiny Qwen2) and silently change its pre-tokenisation (drops spaces).
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def save_model(model: nn.Module, tokenizer, folder: str | os.PathLike) -> Path:

@@ -131,3 +131,16 @@ def test_smollm2_loads_by_builtin_name():
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
     assert model.config.vocab_size == 49152 and tok.eos_token_id == tok.pad_token_id == 2
     assert (resolve_model_path("smollm2-135m") / "model.safetensors").is_file()
+
+
+def test_saved_char_tokenizer_round_trips_spaces_and_newlines(tmp_path):
+    from dppo.models import char_tokenizer, load_tokenizer, save_model, tiny_random_model
+
+    tok = char_tokenizer()
+    save_model(tiny_random_model(tok), tok, tmp_path / "m")
+    loaded = load_tokenizer(tmp_path / "m")
+    text = "What is 2 + 3?\nAnswer: 5"
+    assert loaded.encode(text) == tok.encode(text)
+    assert loaded.decode(loaded.encode(text)) == text
+    msgs = [{"role": "user", "content": "hi there"}]
+    assert loaded.apply_chat_template(msgs, tokenize=False) == tok.apply_chat_template(msgs, tokenize=False)
