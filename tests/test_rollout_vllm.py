@@ -344,3 +344,19 @@ def test_smollm2_bf16_mismatch_is_measured_and_fp32_matches():
     assert 1e-3 < stats["bfloat16"]["mean_abs_dlogp"] < 0.1
     assert stats["bfloat16"]["top20_overlap"] > 0.9
     assert stats["float32"]["max_abs_dlogp"] <= 1e-3 and stats["float32"]["top20_overlap"] > 0.99
+
+
+def test_load_weights_invalidates_cached_prompt_prefixes(engine, vllm_model, make_tiny_model):
+    """A prompt seen before a sync (its KV blocks in vLLM's prefix cache) must be re-run with the new weights."""
+    long_prompt = [{"role": "user", "content": "Please add these numbers carefully and explain: " * 3 + "12+34"}]
+    params = SamplingParams(n=2, max_new_tokens=8, seed=5)
+    engine.generate([long_prompt], params)  # fills the prefix cache with old-weight blocks
+    new_model = make_tiny_model(seed=7, **VLLM_TINY)
+    try:
+        engine.load_weights(new_model)
+        for r in engine.generate([long_prompt], params):
+            assert r.prompt_ids.numel() > 64  # several full KV blocks
+            picked = recompute_logp(new_model, r, temperature=1.0).gather(-1, r.response_ids[:, None])[:, 0]
+            assert (picked - r.rollout_logp).abs().max() <= 1e-4
+    finally:
+        engine.load_weights(vllm_model)
