@@ -18,7 +18,8 @@ CHAIN_SUM_EASY = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits"
 def demo() -> Config:
     """SmolLM2-135M-Instruct, DPPO-Binary-TV, chain_sum with two one-digit terms (the README's main job)."""
     return replace(Config(), task={"options": CHAIN_SUM_EASY},  # 200 distinct questions: 64 held out, 136 to train
-                   train={"eval_samples_per_prompt": 2})  # pass@1 over 64 held-out questions x 2 samples
+                   train={"steps": 30, "micro_batch_size": 32,
+                          "eval_samples_per_prompt": 2})  # pass@1 over 64 held-out questions x 2 samples
 
 
 def smoke() -> Config:

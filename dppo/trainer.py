@@ -274,7 +274,7 @@ class Trainer:
         result = self.evaluate()
         self.logger.log_eval(self.step_idx, result)
         self.logger.print(f"[dppo] eval @ step {self.step_idx}: pass@1 {result['pass@1']:.3f}, "
-                          f"mean reward {result['reward_mean']:.3f} on {result['n']} held-out prompts")
+                          f"mean reward {result['reward_mean']:.3f} over {result['n']} held-out samples")
         return result
 
     def save(self) -> Path:

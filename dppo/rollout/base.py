@@ -10,7 +10,7 @@ trust-region anchor and the top-K cells for the Top-K divergences (Eqs. 15-16).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -163,6 +163,52 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
         topk_logp=topk_logp if has_topk else None,
         topk_valid=topk_valid if has_topk else None,
     )
+
+
+def prompt_token_ids(
+    prompts: Sequence[Prompt],
+    params: SamplingParams,
+    *,
+    tokenizer,
+    vocab_size: int,
+    max_logprobs: int,
+    max_context: int | None,
+) -> list[list[int]]:
+    """Token ids of every prompt (chat messages go through the tokenizer's chat template with the generation
+    prompt), validated against the engine's limits before anything is generated. Every failure is a
+    ValueError naming the parameter: empty list, K above the cap, stop ids or prompt ids outside the
+    vocabulary, raw strings, an empty prompt, prompt + max_new_tokens longer than the context."""
+    if len(prompts) == 0:
+        raise ValueError("prompts: expected a non-empty list")
+    if params.top_k_logprobs > max_logprobs:
+        raise ValueError(f"top_k_logprobs: {params.top_k_logprobs} exceeds this engine's max_logprobs {max_logprobs}")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids: ids {bad} outside the vocabulary [0, {vocab_size})")
+    ids = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, Tensor):
+            p = [int(t) for t in prompt.reshape(-1).tolist()]
+        elif isinstance(prompt, str):
+            raise ValueError(f"prompts: prompt {i} is a string; pass token ids or chat messages")
+        elif len(prompt) > 0 and isinstance(prompt[0], Mapping):
+            if tokenizer is None:
+                raise ValueError(f"prompts: prompt {i} is chat messages, but the engine has no tokenizer")
+            out = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            p = list(out["input_ids"] if isinstance(out, Mapping) else out)
+        else:
+            p = [int(t) for t in prompt]
+        if not p:
+            raise ValueError(f"prompts: prompt {i} is empty")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"prompts: prompt {i} has token ids outside the vocabulary [0, {vocab_size})")
+        if max_context is not None and len(p) + params.max_new_tokens > max_context:
+            raise ValueError(
+                f"max_new_tokens: prompt {i} has {len(p)} tokens; {len(p)} + max_new_tokens "
+                f"{params.max_new_tokens} exceeds the model's context {max_context}"
+            )
+        ids.append(p)
+    return ids
 
 
 @runtime_checkable

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from dppo.rollout.base import Prompt, Rollout, SamplingParams
+from dppo.rollout.base import Prompt, Rollout, SamplingParams, prompt_token_ids
 
 _CHECK_EVERY = 8
 """Decode steps between checks for finished rows (one host sync each)."""
@@ -152,40 +152,8 @@ class HFEngine:
         """Token ids of every prompt; ValueError (naming the parameter) for anything that cannot be generated."""
         if self.model is None:
             raise ValueError("engine: closed")
-        if len(prompts) == 0:
-            raise ValueError("prompts: expected a non-empty list")
-        if params.top_k_logprobs > self.max_logprobs:
-            raise ValueError(
-                f"top_k_logprobs: {params.top_k_logprobs} exceeds this engine's max_logprobs {self.max_logprobs}"
-            )
-        vocab = self.max_logprobs
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids: ids {bad} outside the vocabulary [0, {vocab})")
-        ids = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]
-        for i, p in enumerate(ids):
-            if not p:
-                raise ValueError(f"prompts: prompt {i} is empty")
-            if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompts: prompt {i} has token ids outside the vocabulary [0, {vocab})")
-            if self.max_context is not None and len(p) + params.max_new_tokens > self.max_context:
-                raise ValueError(
-                    f"max_new_tokens: prompt {i} has {len(p)} tokens; {len(p)} + max_new_tokens "
-                    f"{params.max_new_tokens} exceeds the model's context {self.max_context}"
-                )
-        return ids
-
-    def _prompt_ids(self, prompt: Prompt, i: int) -> list[int]:
-        if isinstance(prompt, Tensor):
-            return [int(t) for t in prompt.reshape(-1).tolist()]
-        if len(prompt) > 0 and isinstance(prompt[0], Mapping):
-            if self.tokenizer is None:
-                raise ValueError(f"prompts: prompt {i} is chat messages, but the engine has no tokenizer")
-            out = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if isinstance(out, Mapping) else out)
-        if isinstance(prompt, str):
-            raise ValueError(f"prompts: prompt {i} is a string; pass token ids or chat messages")
-        return [int(t) for t in prompt]
+        return prompt_token_ids(prompts, params, tokenizer=self.tokenizer, vocab_size=self.max_logprobs,
+                                max_logprobs=self.max_logprobs, max_context=self.max_context)
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams, uniforms: Tensor, stop_ids: Tensor):
         """Decode one batch. Returns tokens [B, T], logp [B, T] and (top-K ids, logp) [B, T, K] or None."""

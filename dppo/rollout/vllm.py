@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from dppo.rollout.base import FinishReason, Prompt, Rollout, SamplingParams
+from dppo.rollout.base import FinishReason, Prompt, Rollout, SamplingParams, prompt_token_ids
 
 DEFAULT_KV_CACHE_GB = 2
 """KV cache size on CPU when neither `kv_cache_gb` nor ``VLLM_CPU_KVCACHE_SPACE`` is given."""
@@ -264,8 +264,6 @@ class VLLMEngine:
     def _validate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[int]]:
         """Token ids of every prompt; ValueError (naming the parameter) for anything that cannot be generated."""
         self._check_open()
-        if len(prompts) == 0:
-            raise ValueError("prompts: expected a non-empty list")
         if params.top_k_logprobs > self.max_logprobs:
             raise ValueError(
                 f"top_k_logprobs: {params.top_k_logprobs} exceeds this engine's max_logprobs {self.max_logprobs} "
@@ -275,33 +273,8 @@ class VLLMEngine:
             raise ValueError(
                 f"temperature: vLLM samples greedily below {_MIN_TEMPERATURE}, got {params.temperature}"
             )
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: ids {bad} outside the vocabulary [0, {self.vocab_size})")
-        ids = [self._prompt_ids(p, i) for i, p in enumerate(prompts)]
-        for i, p in enumerate(ids):
-            if not p:
-                raise ValueError(f"prompts: prompt {i} is empty")
-            if min(p) < 0 or max(p) >= self.vocab_size:
-                raise ValueError(f"prompts: prompt {i} has token ids outside the vocabulary [0, {self.vocab_size})")
-            if len(p) + params.max_new_tokens > self.max_context:
-                raise ValueError(
-                    f"max_new_tokens: prompt {i} has {len(p)} tokens; {len(p)} + max_new_tokens "
-                    f"{params.max_new_tokens} exceeds the engine's context {self.max_context}"
-                )
-        return ids
-
-    def _prompt_ids(self, prompt: Prompt, i: int) -> list[int]:
-        if isinstance(prompt, Tensor):
-            return [int(t) for t in prompt.reshape(-1).tolist()]
-        if isinstance(prompt, str):
-            raise ValueError(f"prompts: prompt {i} is a string; pass token ids or chat messages")
-        if len(prompt) > 0 and isinstance(prompt[0], Mapping):
-            if self.tokenizer is None:
-                raise ValueError(f"prompts: prompt {i} is chat messages, but the engine has no tokenizer")
-            out = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if isinstance(out, Mapping) else out)
-        return [int(t) for t in prompt]
+        return prompt_token_ids(prompts, params, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                                max_logprobs=self.max_logprobs, max_context=self.max_context)
 
     def _to_rollout(self, index: int, prompt: Tensor, completion, params: SamplingParams) -> Rollout:
         """One vLLM CompletionOutput -> Rollout (the [T, K+1] top-K layout when params.top_k_logprobs > 0).
