@@ -99,6 +99,8 @@ def cmd_train(argv: list[str]) -> int:
             r = results[key]
             print(f"[dppo] {key.replace('_', ' ')}: pass@1 {r['pass@1']:.3f} (mean reward {r['reward_mean']:.3f}, n={r['n']})")
     print(f"[dppo] checkpoint:    {results['checkpoint']}")
+    if results.get("stopped_early"):
+        print(f"[dppo] stopped by signal at step {results['step']}; resume with: dppo train --resume {run_dir}")
     return 0
 
 

@@ -270,9 +270,13 @@ class TrainConfig:
     """How many checkpoints to keep."""
     threads: int = 0
     """torch intra-op threads (0 = leave torch's default)."""
+    max_consecutive_skips: int = 5
+    """Stop the run with an error after this many optimiser steps in a row were skipped for a non-finite loss
+    or gradient (a single skipped step is counted in optim/skipped_steps_total and training goes on)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "epochs", "mini_batches", "micro_batch_size", "keep_checkpoints", "eval_samples_per_prompt"):
+        for name in ("steps", "epochs", "mini_batches", "micro_batch_size", "keep_checkpoints", "eval_samples_per_prompt",
+                     "max_consecutive_skips"):
             if getattr(self, name) < 1:
                 _fail(f"train.{name}", f"expected >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "checkpoint_every", "threads"):

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +69,39 @@ class StepTimer:
         setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
 
 
+class GracefulStop:
+    """While active, the first SIGINT/SIGTERM only records `signum`: the loop finishes its step, checkpoints and
+    returns. The handlers that were there before come back at once, so a second signal acts as usual (Ctrl-C
+    raises KeyboardInterrupt, SIGTERM terminates; a half-written checkpoint is never loaded). Off the main
+    thread, where Python cannot install handlers, it does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                previous = signal.signal(sig, self._handle)
+                self._previous[sig] = signal.SIG_DFL if previous is None else previous
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signum = signum
+        self._restore()
+        os.write(2, f"\n[dppo] {signal.Signals(signum).name}: stopping after the current step "
+                    f"(send it again to stop now)\n".encode())
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False) -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
@@ -86,6 +122,8 @@ class Trainer:
         self.step_idx = 0
         self.sampler = PromptSampler(len(self.train_examples), cfg.train.seed)
         self.skipped_steps = 0
+        self.consecutive_skips = 0  # optimiser steps skipped in a row; train.max_consecutive_skips stops the run
+        self._first_skip: tuple[int, str] | None = None  # (step, non-finite tensor) that began the current streak
         if resume:
             self._restore()
         self.engine = build_engine(cfg, self.model, self.tokenizer, self.model_path)
@@ -98,20 +136,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
+        """Run up to train.steps. SIGINT/SIGTERM finish the current step, checkpoint it and return early with
+        `stopped_early: True` (a second signal gets the previous handler: Ctrl-C raises, SIGTERM terminates)."""
         cfg = self.cfg
-        results: dict[str, Any] = {}
-        if cfg.train.eval_before and self.step_idx == 0 and self.eval_examples:
-            results["eval_before"] = self.evaluate_and_log()
-        while self.step_idx < cfg.train.steps:
-            metrics = self.step()
-            self.logger.log_step(self.step_idx, metrics)
-            if cfg.train.eval_every and self.step_idx % cfg.train.eval_every == 0 and self.step_idx < cfg.train.steps:
-                self.evaluate_and_log()
-            if cfg.train.checkpoint_every and self.step_idx % cfg.train.checkpoint_every == 0:
-                self.save()
-        if self.eval_examples:
-            results["eval_after"] = self.evaluate_and_log()
-        results["checkpoint"] = str(self.save())
+        results: dict[str, Any] = {"stopped_early": False}
+        with GracefulStop() as stop:
+            if cfg.train.eval_before and self.step_idx == 0 and self.eval_examples:
+                results["eval_before"] = self.evaluate_and_log()
+            while self.step_idx < cfg.train.steps:
+                metrics = self.step()
+                self.logger.log_step(self.step_idx, metrics)
+                if stop.signum is None and cfg.train.eval_every and self.step_idx % cfg.train.eval_every == 0 \
+                        and self.step_idx < cfg.train.steps:
+                    self.evaluate_and_log()
+                saved = None
+                if cfg.train.checkpoint_every and self.step_idx % cfg.train.checkpoint_every == 0:
+                    saved = self.save()
+                if stop.signum is not None:
+                    path = saved or self.save()
+                    self.logger.print(f"[dppo] {signal.Signals(stop.signum).name}: stopped after step {self.step_idx}, "
+                                      f"checkpoint {path}")
+                    self.logger.close()
+                    return {**results, "stopped_early": True, "signal": signal.Signals(stop.signum).name,
+                            "step": self.step_idx, "checkpoint": str(path)}
+            if self.eval_examples:
+                results["eval_after"] = self.evaluate_and_log()
+            results["step"] = self.step_idx
+            results["checkpoint"] = str(self.save())
         self.logger.close()
         return results
 
@@ -184,15 +235,17 @@ class Trainer:
         for epoch in range(cfg.train.epochs):
             for mb in self._minibatches(batch.response_ids.shape[0], epoch):
                 denom = aggregation_denominator(batch.response_mask[mb], cfg.loss.aggregation)
+                loss_finite = torch.ones((), dtype=torch.bool, device=self.device)
                 for micro in mb.split(cfg.train.micro_batch_size):
                     scores = self._score(batch, micro, grad=True, with_entropy=first)
                     loss, stats = self._loss(batch, micro, scores, adv, old, denom)
-                    loss.backward()
+                    loss.backward()  # a non-finite loss still backpropagates; _optimizer_step then skips the step
+                    loss_finite &= torch.isfinite(loss.detach())
                     acc.add_loss(stats, loss.detach())
                     if first:  # the mismatch between engine and trainer before any update of this step
                         acc.add_mismatch(batch, micro, scores)
-                grad_norm = self._optimizer_step()
-                acc.add_grad_norm(grad_norm)
+                grad_norm = self._optimizer_step(loss_finite)
+                acc.add_grad_norm(grad_norm, loss_finite)
                 first = False
         return acc.result()
 
@@ -218,17 +271,39 @@ class Trainer:
             stats["masked_mu_hist"] = _masked_mu_histogram(stats.pop("keep"), rollout_logp, mask)
         return loss, stats
 
-    def _optimizer_step(self) -> Tensor:
-        """Clip, then step only if the gradient is finite (a non-finite one is skipped and counted)."""
+    def _optimizer_step(self, loss_finite: Tensor) -> Tensor:
+        """Clip and step only if the mini-batch's loss and gradient norm are finite; otherwise skip (weights and
+        optimiser state untouched), count it, and raise after train.max_consecutive_skips skips in a row."""
         clip = self.cfg.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else math.inf)
-        if torch.isfinite(grad_norm):  # the one host sync per optimiser step
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        if bool(torch.isfinite(grad_norm) & loss_finite):  # the one host sync per optimiser step
+            if clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self.params, clip, grad_norm)
             self.optimizer.step()
             self.scheduler.step()
+            self.consecutive_skips, self._first_skip = 0, None
         else:
-            self.skipped_steps += 1
+            self._skip(bool(loss_finite))  # before zero_grad: it names the first non-finite gradient
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm.detach()
+
+    def _skip(self, loss_finite: bool) -> None:
+        """Count a skipped optimiser step; too many in a row raise RuntimeError naming the non-finite tensor."""
+        culprit = "loss" if not loss_finite else next(
+            (f"gradient of {n}" for n, p in self.model.named_parameters()
+             if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "gradient norm")
+        step = self.step_idx + 1  # the training step being computed (step_idx counts completed ones)
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self._first_skip = self._first_skip or (step, culprit)
+        limit = self.cfg.train.max_consecutive_skips
+        self.logger.print(f"[dppo] step {step}: optimiser step skipped, non-finite {culprit} "
+                          f"({self.consecutive_skips} in a row, limit {limit})")
+        if self.consecutive_skips >= limit:
+            first_step, first = self._first_skip
+            raise RuntimeError(f"step {step}: {self.consecutive_skips} consecutive optimiser steps skipped for non-finite "
+                               f"values (train.max_consecutive_skips = {limit}); first non-finite tensor: {first} "
+                               f"(at step {first_step}); latest: {culprit}")
 
     # ------------------------------------------------------------------ metrics
     def _step_metrics(self, batch, rewards, reward_stats, adv_stats, update, timer: StepTimer, t_start) -> dict[str, float]:
@@ -359,6 +434,7 @@ class _Accumulator:
         self.weights: dict[str, Tensor] = {}
         self.ratio_max = torch.zeros((), device=device)
         self.grad_norms: list[Tensor] = []
+        self.nonfinite_losses = torch.zeros((), device=device)
         self.hist = torch.zeros(len(MU_BUCKETS) + 1, device=device)
 
     def _add(self, key: str, value: Tensor, weight: Tensor) -> None:
@@ -393,8 +469,9 @@ class _Accumulator:
         if scores.entropy is not None:
             self._add("policy/entropy", sel(scores.entropy), n)
 
-    def add_grad_norm(self, grad_norm: Tensor) -> None:
+    def add_grad_norm(self, grad_norm: Tensor, loss_finite: Tensor) -> None:
         self.grad_norms.append(grad_norm.float())
+        self.nonfinite_losses = self.nonfinite_losses + (~loss_finite).float()
 
     def result(self) -> dict[str, Tensor]:
         out = {k: self.sums[k] / torch.as_tensor(self.weights[k]).clamp(min=1e-12) for k in self.sums}
@@ -402,6 +479,7 @@ class _Accumulator:
         norms = torch.stack(self.grad_norms)
         out["optim/grad_norm"] = norms.mean()
         out["optim/nonfinite_grad_steps"] = (~torch.isfinite(norms)).float().sum()
+        out["optim/nonfinite_loss_steps"] = self.nonfinite_losses
         total = self.hist.sum().clamp(min=1)
         edges = (0.0, *MU_BUCKETS, 1.0)
         for i in range(len(edges) - 1):
