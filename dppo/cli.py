@@ -4,6 +4,7 @@
     dppo eval  [--run-dir DIR | --preset NAME | --config FILE] [--section.field VALUE ...]
     dppo plot  RUN_DIR [RUN_DIR ...] [--out FILE]
     dppo presets
+    dppo diagnose [--model NAME] [--engine auto|hf|vllm] [--engine-dtype bfloat16] [--n-prompts N] ...
 
 Config fields are tyro flags over the dataclass tree of `dppo.config` (`dppo train --help` lists them all with
 their docstrings). Precedence: defaults < preset < --config file < flags. Every value is validated before any
@@ -154,7 +155,13 @@ def cmd_presets(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot, "presets": cmd_presets}
+def cmd_diagnose(argv: list[str]) -> int:
+    from dppo.diagnostics.cli import cmd_diagnose as run
+
+    return run(argv)
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot, "presets": cmd_presets, "diagnose": cmd_diagnose}
 
 
 def main(argv: list[str] | None = None) -> int:
