@@ -14,11 +14,17 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 from torch import nn
 
 from dppo.models import char_tokenizer, tiny_random_model
 
 torch.set_num_threads(int(os.environ.get("DPPO_TEST_THREADS", "1")))
+
+# CI runs the property tests on a fixed set of examples (reproducible runs); locally hypothesis explores.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, initializer_range=0.2)
 """The test model: ~80k parameters; initializer_range 0.2 makes next-token distributions peaked enough
