@@ -73,7 +73,10 @@ def build_model(cfg: Config, run_dir: Path):
                                          num_heads=heads, num_kv_heads=heads, seed=cfg.train.seed, dtype=dtype)
         path = None
     else:
-        path = models.resolve_model_path(m.name)
+        try:
+            path = models.resolve_model_path(m.name)
+        except ValueError as exc:
+            raise ValueError(f"model.name: {exc}") from exc
         tokenizer = models.load_tokenizer(path)
         model = models.load_model(path, dtype=dtype)
     if tokenizer.pad_token_id is None:
@@ -115,8 +118,12 @@ def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | No
         import copy
 
         engine_model = merged_model_copy(model) if hasattr(model, "get_base_model") else copy.deepcopy(model)
-        return make_engine("hf", model=engine_model, tokenizer=tokenizer, dtype=_DTYPES[r.dtype], seed=cfg.train.seed,
-                           copy=False)
+        engine = make_engine("hf", model=engine_model, tokenizer=tokenizer, dtype=_DTYPES[r.dtype], seed=cfg.train.seed,
+                             copy=False)
+        if r.top_k_logprobs > engine.max_logprobs:  # fail at start-up, not at the first generate
+            raise ValueError(f"rollout.top_k_logprobs: {r.top_k_logprobs} exceeds the hf engine's max_logprobs "
+                             f"{engine.max_logprobs} (the vocabulary size)")
+        return engine
     # vLLM loads from a folder: the built-in's folder when the weights are untouched, else the engine saves
     # the (merged) module to a temporary folder itself. Either way the trainer's weights are synced in.
     source = model_path if model_path is not None and not cfg.model.lora_rank else merged_model_copy(model)

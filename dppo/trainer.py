@@ -358,15 +358,15 @@ class Trainer:
                                scheduler=self.scheduler, trainer_state=state, keep=self.cfg.train.keep_checkpoints)
 
     def _restore(self) -> None:
+        from dppo.checkpoint import complete_checkpoints
+
         found = load_latest(self.run_dir)
         if found is None:
-            raise ValueError(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}")
+            tried = [p.name for p in complete_checkpoints(self.run_dir)]
+            why = f"every checkpoint is corrupt (tried {', '.join(reversed(tried))})" if tried else "no complete checkpoint"
+            raise ValueError(f"--resume: {why} under {self.run_dir / 'checkpoints'}")
         path, ckpt = found
-        missing, unexpected = self.model.load_state_dict(ckpt["weights"], strict=False)
-        trainable = set(trainable_state(self.model))
-        if unexpected or (trainable - set(ckpt["weights"])):
-            raise ValueError(f"--resume: checkpoint {path} does not match the model "
-                             f"(unexpected {sorted(unexpected)[:3]}, missing {sorted(trainable - set(ckpt['weights']))[:3]})")
+        load_checkpoint_weights(self.model, ckpt["weights"], path, flag="--resume")
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
         st = ckpt["trainer_state"]
@@ -380,6 +380,20 @@ class Trainer:
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
+
+
+def load_checkpoint_weights(model, weights: dict[str, Tensor], path: Path, *, flag: str) -> None:
+    """Load a checkpoint's trainable weights into `model` after comparing names and shapes (a mismatch would
+    otherwise be a RuntimeError from torch); ValueError naming the checkpoint and `flag` on any mismatch."""
+    own = model.state_dict()
+    unexpected = sorted(set(weights) - set(own))
+    missing = sorted(set(trainable_state(model)) - set(weights))
+    shapes = [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(weights) & set(own))
+              if weights[k].shape != own[k].shape]
+    if unexpected or missing or shapes:
+        raise ValueError(f"{flag}: checkpoint {path} does not match the model (a different model or model.* "
+                         f"settings?): unexpected {unexpected[:3]}, missing {missing[:3]}, shape mismatch {shapes[:3]}")
+    model.load_state_dict(weights, strict=False)
 
 
 def engine_prompts(examples, tokenizer) -> list:
@@ -412,7 +426,7 @@ def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:
         if found is None:
             raise ValueError(f"--run-dir: no complete checkpoint under {run_dir / 'checkpoints'}")
         source, ckpt = str(found[0]), found[1]
-        model.load_state_dict(ckpt["weights"], strict=False)
+        load_checkpoint_weights(model, ckpt["weights"], found[0], flag="--run-dir")
     engine = build_engine(cfg, model, tokenizer, path)
     try:
         temp = cfg.train.eval_temperature or cfg.rollout.temperature
