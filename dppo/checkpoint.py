@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dppo.faults import fault_point
+
 MARKER = "COMPLETE"
 
 
@@ -78,8 +80,8 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    for stale in root.glob(".tmp_step_*"):  # left by a write that was killed; never loadable
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -88,6 +90,7 @@ def save_checkpoint(
     (tmp / "trainer_state.json").write_text(json.dumps(state))
     for f in tmp.iterdir():
         _fsync_file(f)
+    fault_point("checkpoint", step)
     (tmp / MARKER).write_text("ok\n")
     _fsync_file(tmp / MARKER)
     _fsync_dir(tmp)

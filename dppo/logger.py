@@ -18,11 +18,26 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _drop_records_after(path: Path, step: int) -> None:
+    """On resume from checkpoint `step`, forget records of later steps (a crash after logging a step but before
+    its checkpoint makes the resumed run compute that step again): the log then reads as one uninterrupted run."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
+
+
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, total_steps: int, tensorboard: bool = True, progress: bool = True,
                  start_step: int = 0) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
+            _drop_records_after(self.run_dir / name, start_step)
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self._samples = open(self.run_dir / "samples.jsonl", "a", buffering=1)
         self._eval = open(self.run_dir / "eval.jsonl", "a", buffering=1)

@@ -28,6 +28,7 @@ from dppo.advantages import compute_advantages
 from dppo.checkpoint import load_latest, save_checkpoint, set_rng_state
 from dppo.config import Config
 from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
+from dppo.faults import fault_point
 from dppo.logger import RunLogger
 from dppo.losses import aggregation_denominator, drpo_loss, policy_loss
 from dppo.rollout.base import RolloutBatch, SamplingParams, collate
@@ -172,6 +173,7 @@ class Trainer:
         examples = [self.train_examples[i] for i in self.sampler.next(cfg.rollout.prompts_per_step)]
         with timer.time("generation"):
             rollouts = self.engine.generate(engine_prompts(examples, self.tokenizer), self._sampling_params(self.step_idx))
+            fault_point("rollout", self.step_idx + 1)
             batch = collate(rollouts, pad_id=self.pad_id).to(self.device)
         with timer.time("reward"):
             completions = self._decode(batch)
@@ -245,6 +247,7 @@ class Trainer:
                     if first:  # the mismatch between engine and trainer before any update of this step
                         acc.add_mismatch(batch, micro, scores)
                 grad_norm = self._optimizer_step(loss_finite)
+                fault_point("update", self.step_idx + 1)
                 acc.add_grad_norm(grad_norm, loss_finite)
                 first = False
         return acc.result()

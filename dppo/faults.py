@@ -1,0 +1,18 @@
+"""Fault injection for crash tests: `DPPO_FAULT_INJECT="<point>@<step>"` kills the process with SIGKILL when
+the trainer reaches `<point>` during training step `<step>` (1-based: the step being computed).
+
+Points: `rollout` (after the engine returned, before rewards), `update` (after the first optimiser step of the
+step), `checkpoint` (inside a checkpoint write, after the weights file and before the COMPLETE marker).
+Unset in normal runs; reading one environment variable is the whole cost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def fault_point(name: str, step: int) -> None:
+    spec = os.environ.get("DPPO_FAULT_INJECT")
+    if spec and spec == f"{name}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
