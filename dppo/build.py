@@ -56,7 +56,8 @@ def _task_parameters(name: str) -> set[str] | None:
 def build_reward_runner(cfg: Config, task):
     from dppo.rewards import RewardRunner
 
-    return RewardRunner(task.reward, timeout_s=cfg.task.reward_timeout_s)
+    return RewardRunner(task.reward, timeout_s=cfg.task.reward_timeout_s, name=cfg.task.reward or None,
+                        task=cfg.task.name)
 
 
 def build_model(cfg: Config, run_dir: Path):

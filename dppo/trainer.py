@@ -30,6 +30,7 @@ from dppo.config import Config
 from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
 from dppo.faults import fault_point
 from dppo.logger import RunLogger
+from dppo.rewards.runner import NonFiniteRewardError
 from dppo.losses import aggregation_denominator, drpo_loss, policy_loss
 from dppo.rollout.base import RolloutBatch, SamplingParams, collate
 from dppo.scoring import score_responses
@@ -177,7 +178,10 @@ class Trainer:
             batch = collate(rollouts, pad_id=self.pad_id).to(self.device)
         with timer.time("reward"):
             completions = self._decode(batch)
-            rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
+            try:
+                rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
+            except NonFiniteRewardError as exc:  # a broken reward: no update from this batch
+                return self._skip_step(str(exc), t_start)
             rewards = rewards.to(self.device)
             adv, adv_stats = compute_advantages(cfg.advantage.estimator, rewards, cfg.rollout.group_size, eps=cfg.advantage.eps)
         with timer.time("recompute"):
@@ -290,11 +294,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm.detach()
 
-    def _skip(self, loss_finite: bool) -> None:
+    def _skip_step(self, reason: str, t_start: float) -> dict[str, float]:
+        """A step whose rewards were non-finite: no update, counted like a skipped optimiser step."""
+        self._skip(True, culprit=f"reward ({reason})")
+        self.step_idx += 1
+        return {"reward/nonfinite_steps": 1.0, "optim/skipped_steps_total": float(self.skipped_steps),
+                "perf/step_s": time.perf_counter() - t_start}
+
+    def _skip(self, loss_finite: bool, culprit: str | None = None) -> None:
         """Count a skipped optimiser step; too many in a row raise RuntimeError naming the non-finite tensor."""
-        culprit = "loss" if not loss_finite else next(
-            (f"gradient of {n}" for n, p in self.model.named_parameters()
-             if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "gradient norm")
+        if culprit is None:
+            culprit = "loss" if not loss_finite else next(
+                (f"gradient of {n}" for n, p in self.model.named_parameters()
+                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())), "gradient norm")
         step = self.step_idx + 1  # the training step being computed (step_idx counts completed ones)
         self.skipped_steps += 1
         self.consecutive_skips += 1

@@ -234,3 +234,41 @@ def test_skips_that_are_not_consecutive_do_not_stop_the_run(tmp_path, monkeypatc
 def test_max_consecutive_skips_is_validated():
     with pytest.raises(ConfigError, match=r"train\.max_consecutive_skips"):
         replace(get_preset("smoke"), train={"max_consecutive_skips": 0})
+
+
+NAN_REWARD = '''
+def nan_once(completion, example):
+    import os
+    flag = os.environ["DPPO_TEST_NAN_FLAG"]
+    if not os.path.exists(flag):
+        open(flag, "w").close()
+        return float("nan")
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+'''
+
+
+def test_nan_reward_skips_the_update_names_the_task_and_counts(tmp_path, monkeypatch, capsys):
+    from dppo.config import replace
+    from dppo.presets import get_preset
+    from dppo.trainer import Trainer
+
+    path = tmp_path / "nan_reward.py"
+    path.write_text(NAN_REWARD)
+    monkeypatch.setenv("DPPO_TEST_NAN_FLAG", str(tmp_path / "flag"))
+    cfg = replace(get_preset("smoke"), task={"reward": f"{path}:nan_once"},
+                  train={"steps": 2, "eval_before": False, "mini_batches": 1},
+                  log={"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress": False})
+    trainer = Trainer(cfg, tmp_path / "run")
+    try:
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        m1 = trainer.step()
+        assert m1["reward/nonfinite_steps"] == 1.0 and m1["optim/skipped_steps_total"] == 1.0
+        assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+        err = capsys.readouterr()
+        assert "task 'addition'" in err.out + err.err and "nan" in (err.out + err.err).lower()
+        m2 = trainer.step()  # the reward is fine again: training resumes
+        assert "reward/mean" in m2
+        assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+        assert trainer.step_idx == 2
+    finally:
+        trainer.close()

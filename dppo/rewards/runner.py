@@ -157,6 +157,11 @@ def _payload(fn: RewardFn, name: str) -> Payload:
         ) from err
 
 
+class NonFiniteRewardError(ValueError):
+    """A reward returned NaN or ±inf: a bug in the reward, not a wrong answer. The message names the reward,
+    the task and the example. The trainer skips the step's update (weights untouched) and counts it."""
+
+
 class RewardRunner:
     """Scores (completion, example) pairs: `runner(completions, examples) -> (rewards [B] float32, stats)`.
 
@@ -250,7 +255,7 @@ class RewardRunner:
         for value, completion, example in zip(values, completions, examples):
             if not math.isfinite(value):
                 where = f" (task {self.task!r})" if self.task else ""
-                raise ValueError(
+                raise NonFiniteRewardError(
                     f"reward {self.name!r}{where} returned {value} for example {example.uid!r} "
                     f"(completion {completion[:80]!r}); non-finite rewards are rejected"
                 )
