@@ -272,3 +272,28 @@ def test_nan_reward_skips_the_update_names_the_task_and_counts(tmp_path, monkeyp
         assert trainer.step_idx == 2
     finally:
         trainer.close()
+
+
+def test_nan_logits_from_the_model_skip_the_update_and_are_counted(tmp_path):
+    """NaN produced inside the policy's forward (the decoder's final hidden states, which feed the lm-head)."""
+    trainer = Trainer(_cfg(tmp_path), tmp_path)
+    try:
+        norm = trainer.model.get_decoder().norm
+        fired = []
+
+        def poison(module, inputs, output):
+            if not fired:
+                fired.append(True)
+                return output * float("nan")
+            return output
+
+        handle = norm.register_forward_hook(poison)
+        before = _weights(trainer)
+        m1 = trainer.step()
+        handle.remove()
+        assert fired and _unchanged(before, trainer)
+        assert m1["optim/nonfinite_grad_steps"] == 1.0 and m1["optim/skipped_steps_total"] == 1.0
+        trainer.step()
+    finally:
+        trainer.close()
+    assert not _unchanged(before, trainer)
