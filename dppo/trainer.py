@@ -36,6 +36,7 @@ from dppo.rollout.base import RolloutBatch, SamplingParams, collate
 from dppo.scoring import score_responses
 from dppo.build import build_engine, build_model, build_reward_runner, build_task, sync_weights, trainable_state
 
+SKIP_WARN_EVERY = 10  # a skipped optimiser step is announced when a streak starts and then every 10th skip
 MU_BUCKETS = (1e-3, 1e-2, 1e-1, 0.5)  # edges of the µ(a_t) buckets for "where are masked tokens"
 
 
@@ -312,8 +313,9 @@ class Trainer:
         self.consecutive_skips += 1
         self._first_skip = self._first_skip or (step, culprit)
         limit = self.cfg.train.max_consecutive_skips
-        self.logger.print(f"[dppo] step {step}: optimiser step skipped, non-finite {culprit} "
-                          f"({self.consecutive_skips} in a row, limit {limit})")
+        if self.consecutive_skips == 1 or self.skipped_steps % SKIP_WARN_EVERY == 0:  # not one line per skip
+            self.logger.print(f"[dppo] step {step}: optimiser step skipped, non-finite {culprit} "
+                              f"({self.consecutive_skips} in a row, limit {limit}; {self.skipped_steps} in total)")
         if self.consecutive_skips >= limit:
             first_step, first = self._first_skip
             raise RuntimeError(f"step {step}: {self.consecutive_skips} consecutive optimiser steps skipped for non-finite "
