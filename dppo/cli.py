@@ -4,6 +4,7 @@
     dppo eval  [--run-dir DIR | --preset NAME | --config FILE] [--section.field VALUE ...]
     dppo plot  RUN_DIR [RUN_DIR ...] [--out FILE]
     dppo presets
+    dppo sanity [--methods ...] [--seeds ...] [--steps N] [--lr LR] [--quick]
     dppo diagnose [--model NAME] [--engine auto|hf|vllm] [--engine-dtype bfloat16] [--n-prompts N] ...
 
 Config fields are tyro flags over the dataclass tree of `dppo.config` (`dppo train --help` lists them all with
@@ -161,7 +162,14 @@ def cmd_diagnose(argv: list[str]) -> int:
     return run(argv)
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot, "presets": cmd_presets, "diagnose": cmd_diagnose}
+def cmd_sanity(argv: list[str]) -> int:
+    from dppo.sanity import cmd_sanity as run
+
+    return run(argv)
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot, "presets": cmd_presets, "diagnose": cmd_diagnose,
+            "sanity": cmd_sanity}
 
 
 def main(argv: list[str] | None = None) -> int:

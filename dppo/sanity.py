@@ -1,0 +1,414 @@
+"""`dppo sanity`: the paper's stability study (Fig. 3, §5) scaled to a CPU.
+
+    dppo sanity [--methods pg-is,dppo-binary-tv,...] [--seeds 0,1,2] [--steps 60] [--lr 3e-4]
+                [--prompts-per-step 32] [--group-size 8] [--mini-batches 4] [--out-dir runs/sanity-<timestamp>]
+                [--quick]
+
+Set-up: a tiny character-level Qwen2 is warm-started by supervised training (`dppo.sft`) on the built-in
+`addition` task to a low but nonzero accuracy, saved once (cached by its arguments), and every (method, seed)
+run starts from that identical folder. Rollouts are sampled by the HF engine in **bf16** while the trainer
+holds **fp32** weights (a real training–inference mismatch), and every rollout batch is split into
+`mini_batches` (default 4) optimiser steps, so later mini-batches are off-policy. All methods get the same
+lr, batch and steps; only the `loss` section differs, taken from the method presets of `dppo.presets`.
+
+Outputs in the out-dir: one run folder per (method, seed), `sanity.json` (settings, per-method summary, per-seed
+summaries and curves), `sanity.png` (training reward and mismatch mean |π−µ| over steps, mean over seeds with a
+min–max band) and a printed table.
+
+Summary per run (see `summarize_run`):
+- final accuracy: mean `reward/accuracy` of the last 5 steps;
+- steps to 90%: first step whose `reward/accuracy` ≥ 0.9 ("-" if never);
+- max / final mismatch: max and last-5-step mean of `mismatch/binary_tv_mean` (mean |π−µ| at the start of a step);
+- masked fraction: mean of `trust_region/masked_frac` over steps;
+- **collapsed** (`is_collapsed`): yes when (a) the final accuracy is below half of the run's peak accuracy
+  (peak of the 5-step running mean over full windows) and the peak is at least 0.05 above the final value, or (b) for 5
+  consecutive steps every group had zero advantage while accuracy was below 0.5 (all-wrong groups: no
+  gradient ever again). Per method, the table reports how many seeds collapsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from dppo.config import Config, LossConfig, replace
+from dppo.presets import PRESETS
+
+SANITY_METHOD_NAMES = ("pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl",
+                       "dppo-topk-tv", "dppo-topk-kl", "dppo-recompute")
+TOPK = 20
+WINDOW = 5  # steps averaged for "final" values and the running peak
+COLLAPSE_RATIO = 0.5
+COLLAPSE_ZERO_ADV_STEPS = 5
+TARGET_ACCURACY = 0.9
+
+
+def _loss_overrides(preset: str) -> dict[str, Any]:
+    """The loss section of a method preset: trust region, anchor and IS cap always, plus every field that
+    differs from `LossConfig`'s defaults."""
+    loss = PRESETS[preset][0]().loss
+    default = LossConfig()
+    out = {"trust_region": loss.trust_region, "anchor": loss.anchor, "is_cap": loss.is_cap}
+    for f in dataclasses.fields(LossConfig):
+        value = getattr(loss, f.name)
+        if value != getattr(default, f.name):
+            out[f.name] = value
+    return out
+
+
+SANITY_METHODS: dict[str, dict[str, Any]] = {name: _loss_overrides(name) for name in SANITY_METHOD_NAMES}
+"""Method name -> `loss` section overrides (from `dppo.presets`). Top-K methods also get
+rollout.top_k_logprobs = 20 in `sanity_config`."""
+
+
+def _needs_topk(method: str) -> bool:
+    return SANITY_METHODS[method]["trust_region"].startswith("dppo_topk")
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers: int = 2, sft_steps: int = 60,
+               digits: int = 1, size: int = 80, eval_size: int = 20, batch_size: int = 64, lr: float = 3e-3,
+               task_seed: int = 0) -> Path:
+    """A supervised warm start of a tiny char-level Qwen2 (head size 32) on `addition`, saved to
+    `out_dir/warm-<hash of the arguments>/` and reused when that folder already holds a model."""
+    import torch
+
+    from dppo.models import char_tokenizer, save_model, tiny_random_model
+    from dppo.sft import sft_warm_start
+    from dppo.tasks import make_task
+
+    args = dict(seed=seed, hidden=hidden, layers=layers, sft_steps=sft_steps, digits=digits, size=size,
+                eval_size=eval_size, batch_size=batch_size, lr=lr, task_seed=task_seed)
+    key = hashlib.sha1(json.dumps(args, sort_keys=True).encode()).hexdigest()[:10]
+    folder = Path(out_dir) / f"warm-{key}"
+    if (folder / "config.json").is_file() and (folder / "warm_start.json").is_file():
+        return folder
+    if hidden % 32:
+        raise ValueError(f"hidden: expected a multiple of the head size 32, got {hidden}")
+    tok = char_tokenizer()
+    task = make_task("addition", digits=digits, size=size, eval_size=eval_size, seed=task_seed)
+    heads = hidden // 32
+    model = tiny_random_model(tok, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                              num_kv_heads=max(1, heads // 2), seed=seed)
+    t0 = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        losses = sft_warm_start(model, tok, list(task.train), steps=sft_steps, batch_size=batch_size, lr=lr, seed=seed)
+    save_model(model, tok, folder)
+    (folder / "warm_start.json").write_text(json.dumps(
+        {**args, "final_loss": losses[-1], "seconds": time.perf_counter() - t0}, indent=1))
+    return folder
+
+
+def sanity_config(model_dir: str | Path, run_dir: str | Path, method: str, seed: int, *, steps: int = 60,
+                  lr: float = 3e-4, prompts_per_step: int = 32, group_size: int = 8, mini_batches: int = 4,
+                  digits: int = 1, size: int = 80, eval_size: int = 20, max_new_tokens: int = 4,
+                  micro_batch_size: int = 64, task_seed: int = 0, threads: int = 1) -> Config:
+    """The run config of one (method, seed): HF engine in bf16, fp32 trainer, `addition` task (the warm start's
+    split), `mini_batches` optimiser steps per rollout batch, evaluation only after training, no TensorBoard."""
+    if method not in SANITY_METHODS:
+        raise ValueError(f"method: unknown {method!r}; valid: {', '.join(SANITY_METHODS)}")
+    return replace(
+        Config(),
+        model={"name": str(model_dir), "dtype": "float32"},
+        rollout={"engine": "hf", "dtype": "bfloat16", "prompts_per_step": prompts_per_step, "group_size": group_size,
+                 "max_new_tokens": max_new_tokens, "top_k_logprobs": TOPK if _needs_topk(method) else 0},
+        task={"name": "addition", "options": json.dumps({"digits": digits}), "size": size, "eval_size": eval_size,
+              "seed": task_seed},
+        loss=dict(SANITY_METHODS[method]),
+        optim={"lr": lr},
+        train={"steps": steps, "mini_batches": mini_batches, "micro_batch_size": micro_batch_size, "seed": seed,
+               "eval_before": False, "eval_every": 0, "threads": threads},
+        log={"run_dir": str(run_dir), "tensorboard": False, "progress": False, "samples_per_step": 0},
+    )
+
+
+# ---------------------------------------------------------------------------------------------- summaries
+def _series(rows: Sequence[dict], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def running_mean(xs: Sequence[float], window: int = WINDOW) -> list[float]:
+    """Means over full windows of `window` consecutive values (one mean of everything when shorter)."""
+    if len(xs) <= window:
+        return [sum(xs) / len(xs)] if xs else []
+    return [sum(xs[i - window: i]) / window for i in range(window, len(xs) + 1)]
+
+
+def steps_to_accuracy(rows: Sequence[dict], target: float = TARGET_ACCURACY) -> int | None:
+    """The first step (its `step` field, else 1-based index) whose `reward/accuracy` ≥ target; None if never."""
+    for i, r in enumerate(rows, 1):
+        if float(r.get("reward/accuracy", 0.0)) >= target:
+            return int(r.get("step", i))
+    return None
+
+
+def is_collapsed(rows: Sequence[dict]) -> tuple[bool, str]:
+    """(collapsed, reason). Collapsed when (a) the final accuracy (mean of the last 5 steps) is below half of the
+    peak 5-step running mean (full windows), and the drop is at least 0.05; or (b) 5 consecutive steps had every group with
+    zero advantage (`advantage/zero_group_frac` == 1) while accuracy was below 0.5."""
+    acc = _series(rows, "reward/accuracy")
+    if not acc:
+        return False, "no steps"
+    streak = 0
+    for r in rows:
+        dead = float(r.get("advantage/zero_group_frac", 0.0)) >= 1.0 - 1e-9 and float(r.get("reward/accuracy", 0.0)) < 0.5
+        streak = streak + 1 if dead else 0
+        if streak >= COLLAPSE_ZERO_ADV_STEPS:
+            return True, f"every group zero-advantage for {COLLAPSE_ZERO_ADV_STEPS} steps (from step {int(r.get('step', 0)) - streak + 1})"
+    peak = max(running_mean(acc))
+    final = _mean(acc[-WINDOW:])
+    if final < COLLAPSE_RATIO * peak and peak - final >= 0.05:
+        return True, f"final accuracy {final:.3f} < {COLLAPSE_RATIO} x peak {peak:.3f}"
+    return False, ""
+
+
+def summarize_run(rows: Sequence[dict]) -> dict[str, Any]:
+    """Final accuracy, steps to 90%, max/final mismatch, masked fraction and collapse of one run's metric rows."""
+    acc = _series(rows, "reward/accuracy")
+    tv = _series(rows, "mismatch/binary_tv_mean")
+    collapsed, reason = is_collapsed(rows)
+    return {
+        "steps": len(rows),
+        "initial_accuracy": _mean(acc[:WINDOW]),
+        "final_accuracy": _mean(acc[-WINDOW:]),
+        "peak_accuracy": max(running_mean(acc)) if acc else None,
+        "steps_to_90": steps_to_accuracy(rows),
+        "max_mismatch": max(tv) if tv else None,
+        "final_mismatch": _mean(tv[-WINDOW:]),
+        "masked_frac": _mean(_series(rows, "trust_region/masked_frac")),
+        "collapsed": collapsed,
+        "collapse_reason": reason,
+    }
+
+
+def summarize_method(per_seed: Sequence[dict]) -> dict[str, Any]:
+    """Mean over seeds of the per-run summaries; steps to 90% is the median over seeds that reached it."""
+    def avg(key):
+        vals = [s[key] for s in per_seed if s.get(key) is not None]
+        return _mean(vals)
+
+    reached = sorted(s["steps_to_90"] for s in per_seed if s.get("steps_to_90") is not None)
+    return {
+        "seeds": len(per_seed),
+        "initial_accuracy": avg("initial_accuracy"),
+        "final_accuracy": avg("final_accuracy"),
+        "final_accuracy_min": min((s["final_accuracy"] for s in per_seed if s["final_accuracy"] is not None), default=None),
+        "final_accuracy_max": max((s["final_accuracy"] for s in per_seed if s["final_accuracy"] is not None), default=None),
+        "steps_to_90": reached[len(reached) // 2] if reached else None,
+        "reached_90": len(reached),
+        "max_mismatch": max((s["max_mismatch"] for s in per_seed if s["max_mismatch"] is not None), default=None),
+        "final_mismatch": avg("final_mismatch"),
+        "masked_frac": avg("masked_frac"),
+        "collapsed": sum(bool(s["collapsed"]) for s in per_seed),
+        "eval_pass@1": avg("eval_pass@1"),
+        "seconds": avg("seconds"),
+    }
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(methods: dict[str, dict]) -> str:
+    """One row per method (means over seeds)."""
+    head = (f"{'method':<18}{'seeds':>6}{'acc start':>10}{'acc final':>10}{'(min-max)':>13}{'steps→90%':>10}"
+            f"{'max|π−µ|':>10}{'final|π−µ|':>11}{'masked':>8}{'collapsed':>10}{'eval':>7}{'s/run':>7}")
+    lines = [head]
+    for name, m in methods.items():
+        s = m["summary"]
+        spread = f"{_fmt(s['final_accuracy_min'], '.2f')}-{_fmt(s['final_accuracy_max'], '.2f')}"
+        to90 = "-" if s["steps_to_90"] is None else f"{s['steps_to_90']} ({s['reached_90']}/{s['seeds']})"
+        lines.append(f"{name:<18}{s['seeds']:>6}{_fmt(s['initial_accuracy']):>10}{_fmt(s['final_accuracy']):>10}"
+                     f"{spread:>13}{to90:>10}{_fmt(s['max_mismatch'], '.4f'):>10}{_fmt(s['final_mismatch'], '.4f'):>11}"
+                     f"{_fmt(s['masked_frac']):>8}{str(s['collapsed']) + '/' + str(s['seeds']):>10}"
+                     f"{_fmt(s['eval_pass@1'], '.2f'):>7}{_fmt(s['seconds'], '.0f'):>7}")
+    return "\n".join(lines)
+
+
+def _curves(runs: Sequence[Sequence[dict]], key: str) -> dict[str, list]:
+    """Mean, min and max over seeds of `key` per step (steps present in every run)."""
+    by_step: dict[int, list[float]] = {}
+    for rows in runs:
+        for i, r in enumerate(rows, 1):
+            v = r.get(key)
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                by_step.setdefault(int(r.get("step", i)), []).append(float(v))
+    steps = sorted(s for s, v in by_step.items() if len(v) == len(runs))
+    return {"step": steps, "mean": [_mean(by_step[s]) for s in steps],
+            "min": [min(by_step[s]) for s in steps], "max": [max(by_step[s]) for s in steps]}
+
+
+CURVE_KEYS = (("reward/mean", "training reward"), ("mismatch/binary_tv_mean", "mismatch mean |π−µ| (start of step)"),
+              ("trust_region/masked_frac", "masked fraction"))
+
+
+def plot_sanity(methods: dict[str, dict], out: str | Path) -> Path:
+    """Fig. 3 in miniature: one panel per curve in CURVE_KEYS, one line per method (mean over seeds, min–max band)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(CURVE_KEYS), figsize=(6 * len(CURVE_KEYS), 4.5))
+    for name, m in methods.items():
+        for ax, (key, title) in zip(axes, CURVE_KEYS):
+            c = m["curves"].get(key)
+            if not c or not c["step"]:
+                continue
+            (line,) = ax.plot(c["step"], c["mean"], label=name, lw=1.5)
+            ax.fill_between(c["step"], c["min"], c["max"], color=line.get_color(), alpha=0.15, lw=0)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the study
+def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path, *, steps: int = 60, lr: float = 3e-4,
+               prompts_per_step: int = 32, group_size: int = 8, mini_batches: int = 4, max_new_tokens: int = 4,
+               digits: int = 1, size: int = 80, eval_size: int = 20, hidden: int = 128, layers: int = 2,
+               sft_steps: int = 60, warm_seed: int = 0, threads: int = 1, verbose: bool = True) -> dict[str, Any]:
+    """Run every (method, seed) from the same warm-started model; write sanity.json and sanity.png; return the report.
+
+    The warm start is one model (seed `warm_seed`) shared by all runs; `seeds` vary the RL run (sampling, data
+    order, mini-batch split)."""
+    from dppo.plot import read_metrics
+    from dppo.trainer import Trainer
+
+    import torch
+
+    unknown = [m for m in methods if m not in SANITY_METHODS]
+    if unknown:
+        raise ValueError(f"methods: unknown {unknown[0]!r}; valid: {', '.join(SANITY_METHODS)}")
+    if not methods or not seeds:
+        raise ValueError("methods and seeds must be non-empty")
+    if threads:
+        torch.set_num_threads(threads)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    t0 = time.perf_counter()
+    model_dir = warm_start(out_dir, seed=warm_seed, hidden=hidden, layers=layers, sft_steps=sft_steps, digits=digits,
+                           size=size, eval_size=eval_size)
+    warm_info = json.loads((model_dir / "warm_start.json").read_text())
+    if verbose:
+        print(f"[sanity] warm start {model_dir} ({time.perf_counter() - t0:.1f} s; SFT loss {warm_info['final_loss']:.3f})",
+              flush=True)
+    settings = dict(steps=steps, lr=lr, prompts_per_step=prompts_per_step, group_size=group_size,
+                    mini_batches=mini_batches, max_new_tokens=max_new_tokens, digits=digits, size=size,
+                    eval_size=eval_size, hidden=hidden, layers=layers, sft_steps=sft_steps, warm_seed=warm_seed,
+                    seeds=list(seeds), engine="hf", engine_dtype="bfloat16", trainer_dtype="float32",
+                    warm_start=str(model_dir))
+    report: dict[str, Any] = {"settings": settings, "criteria": {
+        "final_accuracy": f"mean reward/accuracy of the last {WINDOW} steps",
+        "steps_to_90": f"first step with reward/accuracy >= {TARGET_ACCURACY} (median over the seeds that reached it)",
+        "mismatch": "mismatch/binary_tv_mean: mean |π−µ| over response tokens at the start of a step",
+        "collapsed": is_collapsed.__doc__.split("Collapsed when ")[1].strip()}, "methods": {}}
+    for method in methods:
+        per_seed, runs = [], []
+        for seed in seeds:
+            run_dir = out_dir / f"{method}-seed{seed}"
+            cfg = sanity_config(model_dir, run_dir, method, seed, steps=steps, lr=lr, prompts_per_step=prompts_per_step,
+                                group_size=group_size, mini_batches=mini_batches, digits=digits, size=size,
+                                eval_size=eval_size, max_new_tokens=max_new_tokens, threads=threads)
+            t0 = time.perf_counter()
+            trainer = Trainer(cfg, run_dir)
+            error = None
+            try:
+                results = trainer.train()
+            except RuntimeError as exc:  # e.g. too many non-finite steps in a row: that is a collapse, record it
+                results, error = {}, str(exc)
+            finally:
+                trainer.close()
+            seconds = time.perf_counter() - t0
+            rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+            summary = summarize_run(rows)
+            if error:
+                summary.update(collapsed=True, collapse_reason=f"run stopped: {error}")
+            summary.update(seed=seed, seconds=seconds, run_dir=str(run_dir),
+                           **{"eval_pass@1": (results.get("eval_after") or {}).get("pass@1")})
+            per_seed.append(summary)
+            runs.append(rows)
+            if verbose:
+                print(f"[sanity] {method} seed {seed}: {seconds:.1f} s, accuracy {_fmt(summary['initial_accuracy'])} -> "
+                      f"{_fmt(summary['final_accuracy'])}, max |π−µ| {_fmt(summary['max_mismatch'], '.4f')}, "
+                      f"collapsed {'yes (' + summary['collapse_reason'] + ')' if summary['collapsed'] else 'no'}",
+                      flush=True)
+        report["methods"][method] = {
+            "loss": {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in SANITY_METHODS[method].items()},
+            "summary": summarize_method(per_seed), "per_seed": per_seed,
+            "curves": {key: _curves(runs, key) for key, _ in CURVE_KEYS},
+        }
+    report["wall_s"] = time.perf_counter() - t_all
+    (out_dir / "sanity.json").write_text(json.dumps(report, indent=1))
+    plot_sanity(report["methods"], out_dir / "sanity.png")
+    table = format_table(report["methods"])
+    report["table"] = table
+    if verbose:
+        print(table)
+        print(f"[sanity] wall {report['wall_s']:.0f} s; wrote {out_dir / 'sanity.json'} and {out_dir / 'sanity.png'}",
+              flush=True)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- the command
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dppo sanity", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--methods", default=",".join(SANITY_METHOD_NAMES), help="comma-separated method names")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
+    p.add_argument("--steps", type=int, default=60, help="training steps (rollout batches) per run")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW lr (the same for every method)")
+    p.add_argument("--prompts-per-step", type=int, default=32, help="P prompts per rollout batch")
+    p.add_argument("--group-size", type=int, default=8, help="G responses per prompt")
+    p.add_argument("--mini-batches", type=int, default=4, help="optimiser steps per rollout batch")
+    p.add_argument("--digits", type=int, default=1, help="addition operand digits (1: 100 questions)")
+    p.add_argument("--hidden", type=int, default=128, help="warm-start model hidden size (head size 32)")
+    p.add_argument("--layers", type=int, default=2, help="warm-start model layers")
+    p.add_argument("--sft-steps", type=int, default=60, help="supervised warm-start steps (batch 64)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--out-dir", default=None, help="output folder (default: runs/sanity-<timestamp>)")
+    p.add_argument("--quick", action="store_true",
+                   help="a short check: dppo-binary-tv and pg-is, seed 0, 5 steps, 8 prompts x 4, small warm start")
+    return p
+
+
+def cmd_sanity(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        print(f"dppo sanity: error: --seeds: expected comma-separated integers, got {args.seeds!r}")
+        return 2
+    kwargs = dict(steps=args.steps, lr=args.lr, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+                  mini_batches=args.mini_batches, digits=args.digits, hidden=args.hidden, layers=args.layers,
+                  sft_steps=args.sft_steps, threads=args.threads)
+    if args.quick:
+        methods, seeds = ["dppo-binary-tv", "pg-is"], [0]
+        kwargs.update(steps=5, prompts_per_step=8, group_size=4, hidden=64, sft_steps=30)
+    out_dir = Path(args.out_dir or Path("runs") / f"sanity-{_dt.datetime.now():%Y%m%d-%H%M%S}")
+    try:
+        run_sanity(methods, seeds, out_dir, **kwargs)
+    except ValueError as exc:
+        print(f"dppo sanity: error: {exc}")
+        return 2
+    return 0
