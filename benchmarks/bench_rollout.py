@@ -32,13 +32,8 @@ from dppo.rollout.base import SamplingParams
 from dppo.rollout.hf import HFEngine
 from dppo.rollout.vllm import VLLMEngine
 
-QUESTIONS = [
-    "What is 17 + 25?", "Name three primary colours.", "Write a haiku about the sea.", "What is 9 times 8?",
-    "Explain what a prime number is.", "Give me a synonym for happy.", "What is the capital of France?",
-    "Sum the numbers 3, 5 and 11.", "Describe a cat in one sentence.", "What is 144 divided by 12?",
-    "List two fruits that are red.", "How many legs does a spider have?", "What comes after Tuesday?",
-    "Translate 'good morning' into French.", "What is 2 to the power of 10?", "Why is the sky blue?",
-]
+from bench_hf_generate import QUESTIONS  # the same prompts in both benchmarks (benchmarks/ is on sys.path)
+
 TARGET_SPEEDUP = 2.0
 """vLLM / HF tokens/s on SmolLM2 (no top-K)."""
 TARGET_TOPK_COST = 0.10

@@ -116,11 +116,8 @@ def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | No
     r = cfg.rollout
     name = resolve_engine_name(r.engine)
     if name == "hf":
-        import copy
-
-        engine_model = merged_model_copy(model) if hasattr(model, "get_base_model") else copy.deepcopy(model)
-        engine = make_engine("hf", model=engine_model, tokenizer=tokenizer, dtype=_DTYPES[r.dtype], seed=cfg.train.seed,
-                             copy=False)
+        engine = make_engine("hf", model=merged_model_copy(model), tokenizer=tokenizer, dtype=_DTYPES[r.dtype],
+                             seed=cfg.train.seed, copy=False)
         if r.top_k_logprobs > engine.max_logprobs:  # fail at start-up, not at the first generate
             raise ValueError(f"rollout.top_k_logprobs: {r.top_k_logprobs} exceeds the hf engine's max_logprobs "
                              f"{engine.max_logprobs} (the vocabulary size)")
@@ -167,13 +164,11 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def merged_model_copy(model: nn.Module) -> nn.Module:
-    """A plain (non-peft) copy of the model with merged weights, for engines that hold their own copy."""
+    """A plain (non-peft) copy of the model with LoRA merged in, for engines that hold their own copy."""
     import copy
 
-    if not hasattr(model, "get_base_model"):
-        return model
-    base = copy.deepcopy(model).merge_and_unload()
-    return base
+    copied = copy.deepcopy(model)
+    return copied.merge_and_unload() if hasattr(copied, "get_base_model") else copied
 
 
 def sync_weights(engine, model: nn.Module) -> None:

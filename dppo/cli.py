@@ -111,7 +111,6 @@ def cmd_eval(argv: list[str]) -> int:
     ns0, _ = _split_args(argv, resume=False)
     from_run = ns0.run_dir and (Path(ns0.run_dir) / "config.yaml").is_file()
     if from_run:
-        argv = [a for a in argv]  # the run's config is the base; flags still override
         cfg, _, _ = parse_config(["--config", str(Path(ns0.run_dir) / "config.yaml"), *_drop_run_dir(argv)], prog="dppo eval", resume=False)
     else:
         cfg, _, _ = parse_config(argv, prog="dppo eval", resume=False)

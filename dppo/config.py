@@ -333,10 +333,9 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> "Config":
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = set(data) - set(sections)
+        unknown = set(data) - set(_SECTIONS)
         if unknown:
-            raise ConfigError(f"{sorted(unknown)[0]}: unknown section in {source}; valid: {', '.join(sections)}")
+            raise ConfigError(f"{sorted(unknown)[0]}: unknown section in {source}; valid: {', '.join(_SECTIONS)}")
         kwargs = {}
         for f in dataclasses.fields(cls):
             section_cls = _SECTIONS[f.name]

@@ -58,9 +58,16 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] 
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
+    return save_figure(fig, out)
+
+
+def save_figure(fig, out: str | Path, *, dpi: int = 100) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure; returns the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out

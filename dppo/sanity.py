@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dppo.config import Config, LossConfig, replace
+from dppo.plot import save_figure
 from dppo.presets import PRESETS
 
 SANITY_METHOD_NAMES = ("pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl",
@@ -273,12 +274,7 @@ def plot_sanity(methods: dict[str, dict], out: str | Path) -> Path:
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 # ---------------------------------------------------------------------------------------------- the study

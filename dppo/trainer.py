@@ -176,9 +176,10 @@ class Trainer:
         with timer.time("generation"):
             rollouts = self.engine.generate(engine_prompts(examples, self.tokenizer), self._sampling_params(self.step_idx))
             fault_point("rollout", self.step_idx + 1)
-            batch = collate(rollouts, pad_id=self.pad_id).to(self.device)
+            cpu_batch = collate(rollouts, pad_id=self.pad_id)
+            batch = cpu_batch.to(self.device)
         with timer.time("reward"):
-            completions = self._decode(batch)
+            completions = decode_responses(cpu_batch, self.tokenizer)
             try:
                 rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
             except NonFiniteRewardError as exc:  # a broken reward: no update from this batch
@@ -209,10 +210,6 @@ class Trainer:
             top_k_logprobs=r.top_k_logprobs if top_k is None else top_k,
             seed=self.cfg.train.seed * 100_003 + step,
         )
-
-    def _decode(self, batch: RolloutBatch) -> list[str]:
-        ids = [row[m].tolist() for row, m in zip(batch.response_ids, batch.response_mask)]
-        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
 
     def _score(self, batch: RolloutBatch, idx: Tensor, *, grad: bool, with_entropy: bool = False):
         """π's log-probs (and top-K cells, entropy) for the sequences `idx` of the batch."""
@@ -326,7 +323,7 @@ class Trainer:
     def _step_metrics(self, batch, rewards, reward_stats, adv_stats, update, timer: StepTimer, t_start) -> dict[str, float]:
         lengths = batch.response_lengths.float()
         step_s = time.perf_counter() - t_start
-        tokens = float(lengths.sum()) + sum(int(p.numel()) for p in batch.prompt_ids)
+        tokens = lengths.sum() + sum(int(p.numel()) for p in batch.prompt_ids)
         out = {
             "reward/mean": rewards.mean(),
             "reward/std": rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
@@ -343,7 +340,7 @@ class Trainer:
             "perf/generation_s": timer.generation, "perf/reward_s": timer.reward, "perf/recompute_s": timer.recompute,
             "perf/training_s": timer.training, "perf/sync_s": timer.sync, "perf/step_s": step_s,
             "perf/tokens_per_s": tokens / max(step_s, 1e-9),
-            "perf/response_tokens": float(lengths.sum()),
+            "perf/response_tokens": lengths.sum(),
         }
         return {k: float(v) for k, v in out.items()}  # the one sync of the step
 
@@ -413,6 +410,12 @@ def load_checkpoint_weights(model, weights: dict[str, Tensor], path: Path, *, fl
     model.load_state_dict(weights, strict=False)
 
 
+def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
+    """The response texts of a (CPU) batch, padding and special tokens dropped."""
+    ids = [row[:n].tolist() for row, n in zip(batch.response_ids, batch.response_lengths.tolist())]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
 def engine_prompts(examples, tokenizer) -> list:
     """What the engine takes: chat messages as they are, raw-text prompts as token ids (no template)."""
     return [list(tokenizer.encode(ex.prompt, add_special_tokens=False)) if isinstance(ex.prompt, str) else list(ex.prompt)
@@ -424,8 +427,7 @@ def evaluate(engine, tokenizer, reward_runner, examples, params: SamplingParams,
     if not examples:
         raise ValueError("examples: the evaluation set is empty")
     batch = collate(engine.generate(engine_prompts(examples, tokenizer), params), pad_id=pad_id)
-    ids = [row[m].tolist() for row, m in zip(batch.response_ids, batch.response_mask)]
-    completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    completions = decode_responses(batch, tokenizer)
     rewards, _ = reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
     return {"pass@1": float((rewards >= 1.0 - 1e-6).float().mean()), "reward_mean": float(rewards.mean()),
             "n": len(examples) * params.n, "temperature": params.temperature,

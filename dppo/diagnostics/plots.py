@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dppo.plot import save_figure
+
 _LINTHRESH = {"ratio_minus_1": 1e-2, "prob_diff": 1e-5}
 """Linear range around 0 of each symlog y axis (below it, differences are drawn linearly)."""
 
@@ -67,11 +69,7 @@ def plot_ratio_vs_tv(metrics: Mapping[str, Tensor], report: Mapping, out: str | 
     for ax in axes:
         ax.legend(loc="upper right", fontsize=8)
     fig.suptitle(title or "engine vs trainer on the same sampled tokens")
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=110)
 
 
 def plot_histograms(metrics: Mapping[str, Tensor], out: str | Path, *, title: str = "") -> Path:
@@ -89,8 +87,4 @@ def plot_histograms(metrics: Mapping[str, Tensor], out: str | Path, *, title: st
         ax.set_title(f"{name}: mean {float(x.mean()):.2e}" if x.numel() else name, fontsize=9)
         ax.grid(alpha=0.3)
     fig.suptitle(title or "divergence estimates per token")
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=110)
