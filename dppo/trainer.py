@@ -59,17 +59,34 @@ class PromptSampler:
 
 @dataclass
 class StepTimer:
+    """Wall-clock seconds per phase of one step. On CUDA each phase boundary synchronises the device (a handful of
+    syncs per micro-batch), so the kernels are charged to the phase that launched them. `training` contains
+    `forward`, `loss`, `backward` and `optimizer` (and the Python between them)."""
+
+    cuda: bool = False
     generation: float = 0.0
     reward: float = 0.0
     recompute: float = 0.0
     training: float = 0.0
+    forward: float = 0.0
+    loss: float = 0.0
+    backward: float = 0.0
+    optimizer: float = 0.0
     sync: float = 0.0
+    metrics: float = 0.0
 
     @contextlib.contextmanager
     def time(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         yield
+        if self.cuda:
+            torch.cuda.synchronize()
         setattr(self, name, getattr(self, name) + time.perf_counter() - t0)
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"perf/{k}_s": v for k, v in vars(self).items() if k != "cuda"}
 
 
 class GracefulStop:
@@ -127,6 +144,7 @@ class Trainer:
         self.skipped_steps = 0
         self.consecutive_skips = 0  # optimiser steps skipped in a row; train.max_consecutive_skips stops the run
         self._first_skip: tuple[int, str] | None = None  # (step, non-finite tensor) that began the current streak
+        self._log_write_s = 0.0  # seconds the logger took to write the previous step's metrics
         if resume:
             self._restore()
         self.engine = build_engine(cfg, self.model, self.tokenizer, self.model_path)
@@ -148,7 +166,9 @@ class Trainer:
                 results["eval_before"] = self.evaluate_and_log()
             while self.step_idx < cfg.train.steps:
                 metrics = self.step()
+                t_log = time.perf_counter()
                 self.logger.log_step(self.step_idx, metrics)
+                self._log_write_s = time.perf_counter() - t_log  # reported with the next step
                 if stop.signum is None and cfg.train.eval_every and self.step_idx % cfg.train.eval_every == 0 \
                         and self.step_idx < cfg.train.steps:
                     self.evaluate_and_log()
@@ -170,7 +190,8 @@ class Trainer:
         return results
 
     def step(self) -> dict[str, float]:
-        cfg, timer = self.cfg, StepTimer()
+        cfg, timer = self.cfg, StepTimer(cuda=self.device.type == "cuda")
+        self._timer = timer
         t_start = time.perf_counter()
         examples = [self.train_examples[i] for i in self.sampler.next(cfg.rollout.prompts_per_step)]
         with timer.time("generation"):
@@ -194,9 +215,13 @@ class Trainer:
         with timer.time("sync"):
             sync_weights(self.engine, self.model)
         self.step_idx += 1
-        metrics = self._step_metrics(batch, rewards, reward_stats, adv_stats, update_stats, timer, t_start)
-        self.logger.log_samples(self.step_idx, self._samples(completions, rewards, batch, examples))
-        return metrics
+        with timer.time("metrics"):
+            self.logger.log_samples(self.step_idx, self._samples(completions, rewards, batch, examples))
+            metrics = self._step_metrics(batch, rewards, reward_stats, adv_stats, update_stats)
+        step_s = time.perf_counter() - t_start
+        tokens = metrics["perf/response_tokens"] + sum(int(p.numel()) for p in cpu_batch.prompt_ids)
+        return {**metrics, **timer.as_metrics(), "perf/step_s": step_s, "perf/tokens_per_s": tokens / max(step_s, 1e-9),
+                "perf/log_write_prev_s": self._log_write_s}
 
     # ------------------------------------------------------------------ pieces of a step
     def _sampling_params(self, step: int, *, n: int | None = None, temperature: float | None = None,
@@ -234,6 +259,7 @@ class Trainer:
 
     def _update(self, batch: RolloutBatch, adv: Tensor, old) -> dict[str, Any]:
         cfg = self.cfg
+        timer = getattr(self, "_timer", None) or StepTimer(cuda=self.device.type == "cuda")
         acc = _Accumulator(self.device)
         first = True
         for epoch in range(cfg.train.epochs):
@@ -241,14 +267,19 @@ class Trainer:
                 denom = aggregation_denominator(batch.response_mask[mb], cfg.loss.aggregation)
                 loss_finite = torch.ones((), dtype=torch.bool, device=self.device)
                 for micro in mb.split(cfg.train.micro_batch_size):
-                    scores = self._score(batch, micro, grad=True, with_entropy=first)
-                    loss, stats = self._loss(batch, micro, scores, adv, old, denom)
-                    loss.backward()  # a non-finite loss still backpropagates; _optimizer_step then skips the step
-                    loss_finite &= torch.isfinite(loss.detach())
-                    acc.add_loss(stats, loss.detach())
-                    if first:  # the mismatch between engine and trainer before any update of this step
-                        acc.add_mismatch(batch, micro, scores)
-                grad_norm = self._optimizer_step(loss_finite)
+                    with timer.time("forward"):
+                        scores = self._score(batch, micro, grad=True, with_entropy=first)
+                    with timer.time("loss"):
+                        loss, stats = self._loss(batch, micro, scores, adv, old, denom)
+                    with timer.time("backward"):
+                        loss.backward()  # a non-finite loss still backpropagates; _optimizer_step then skips the step
+                    with timer.time("loss"):
+                        loss_finite &= torch.isfinite(loss.detach())
+                        acc.add_loss(stats, loss.detach())
+                        if first:  # the mismatch between engine and trainer before any update of this step
+                            acc.add_mismatch(batch, micro, scores)
+                with timer.time("optimizer"):
+                    grad_norm = self._optimizer_step(loss_finite)
                 fault_point("update", self.step_idx + 1)
                 acc.add_grad_norm(grad_norm, loss_finite)
                 first = False
@@ -320,10 +351,9 @@ class Trainer:
                                f"(at step {first_step}); latest: {culprit}")
 
     # ------------------------------------------------------------------ metrics
-    def _step_metrics(self, batch, rewards, reward_stats, adv_stats, update, timer: StepTimer, t_start) -> dict[str, float]:
+    def _step_metrics(self, batch, rewards, reward_stats, adv_stats, update) -> dict[str, float]:
+        """The step's metrics as floats (perf/* added by `step`): one host sync."""
         lengths = batch.response_lengths.float()
-        step_s = time.perf_counter() - t_start
-        tokens = lengths.sum() + sum(int(p.numel()) for p in batch.prompt_ids)
         out = {
             "reward/mean": rewards.mean(),
             "reward/std": rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
@@ -337,9 +367,6 @@ class Trainer:
             **update,
             "optim/lr": self.scheduler.get_last_lr()[0],
             "optim/skipped_steps_total": float(self.skipped_steps),
-            "perf/generation_s": timer.generation, "perf/reward_s": timer.reward, "perf/recompute_s": timer.recompute,
-            "perf/training_s": timer.training, "perf/sync_s": timer.sync, "perf/step_s": step_s,
-            "perf/tokens_per_s": tokens / max(step_s, 1e-9),
             "perf/response_tokens": lengths.sum(),
         }
         return {k: float(v) for k, v in out.items()}  # the one sync of the step

@@ -37,7 +37,8 @@ def _smoke(tmp_path, reward_file, **sections):
 
 
 REQUIRED_KEYS = {"step", "reward/mean", "trust_region/masked_frac", "mismatch/binary_tv_mean", "perf/tokens_per_s",
-                 "optim/grad_norm", "policy/entropy", "advantage/zero_group_frac", "perf/generation_s", "perf/training_s"}
+                 "optim/grad_norm", "policy/entropy", "advantage/zero_group_frac", "perf/generation_s", "perf/training_s",
+                 "perf/forward_s", "perf/backward_s", "perf/optimizer_s", "perf/loss_s", "perf/metrics_s", "perf/sync_s"}
 
 
 def test_smoke_preset_end_to_end_and_resume(tmp_path, reward_file):
@@ -50,6 +51,12 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path, reward_file):
         assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
         assert math.isfinite(r["loss/policy"]) and math.isfinite(r["optim/grad_norm"])
     assert any(r["optim/grad_norm"] > 0 for r in rows)
+    for r in rows:  # the time breakdown: phases are disjoint parts of the step, the update's parts of `training`
+        parts = [r[f"perf/{k}_s"] for k in ("forward", "loss", "backward", "optimizer")]
+        assert all(p > 0 for p in parts) and sum(parts) <= r["perf/training_s"]
+        phases = [r[f"perf/{k}_s"] for k in ("generation", "reward", "recompute", "training", "sync", "metrics")]
+        assert sum(phases) <= r["perf/step_s"] and sum(phases) >= 0.5 * r["perf/step_s"]
+    assert rows[0]["perf/log_write_prev_s"] == 0 and rows[1]["perf/log_write_prev_s"] > 0
     # every trained parameter changed from its seeded initialisation
     cfg = get_preset("smoke")
     heads = cfg.model.tiny_hidden // 32
