@@ -69,6 +69,12 @@ PRESETS: dict[str, tuple[Callable[[], Config], str]] = {
     "minirl": (_method(trust_region="ppo_clip", eps_low=0.2, eps_high=0.28, anchor="recompute"), "PPO clip anchored at recomputed pi_old (MiniRL)"),
     "cispo": (_method(trust_region="none", is_cap=3.0), "no mask, IS weight capped at 3 (CISPO / PG-TIS)"),
     "pg-is": (_method(trust_region="none", is_cap=math.inf), "no mask, uncapped IS weight (PG-IS)"),
+    "grpo-relax-high": (_method(trust_region="ppo_clip_relax", eps_low=0.2, eps_high=0.28, relax_alpha=0.1, relax_side="high"),
+                        "relax-alpha ablation (par. 6): clip-higher 0.2/0.28, no clip where mu < 0.1 and A > 0"),
+    "grpo-relax-low": (_method(trust_region="ppo_clip_relax", eps_low=0.2, eps_high=0.28, relax_alpha=0.1, relax_side="low"),
+                       "relax-alpha ablation (par. 6): clip-higher 0.2/0.28, no clip where mu < 0.1 and A < 0"),
+    "grpo-relax-both": (_method(trust_region="ppo_clip_relax", eps_low=0.2, eps_high=0.28, relax_alpha=0.1, relax_side="both"),
+                        "relax-alpha ablation (par. 6): clip-higher 0.2/0.28, no clip where mu < 0.1 (either sign of A)"),
     "cppo": (_method(trust_region="cppo"), "CPPO cumulative position-weighted TV budget (beyond the paper)"),
     "drpo": (_method(loss="drpo"), "DRPO quadratic divergence penalty, no mask (beyond the paper)"),
 }

@@ -1,24 +1,36 @@
-"""`dppo sanity`: the paper's stability study (Fig. 3, §5) scaled to a CPU.
+"""`dppo sanity`: the paper's stability study (Fig. 3, §5) and its ablations (§6, §7.3, F.4) scaled to a CPU.
 
-    dppo sanity [--methods pg-is,dppo-binary-tv,...] [--seeds 0,1,2] [--steps 60] [--lr 3e-4]
-                [--prompts-per-step 32] [--group-size 8] [--mini-batches 4] [--out-dir runs/sanity-<timestamp>]
-                [--quick]
+    dppo sanity [--methods all|key|relax|delta|NAME[:field=value...],...] [--seeds 0,1,2] [--steps 60]
+                [--lr 3e-4] [--prompts-per-step 32] [--group-size 8] [--mini-batches 4]
+                [--engine-dtype bfloat16|float32] [--logit-noise SIGMA] [--out-dir runs/sanity-<timestamp>] [--quick]
 
 Set-up: a tiny character-level Qwen2 is warm-started by supervised training (`dppo.sft`) on the built-in
 `addition` task to a low but nonzero accuracy, saved once (cached by its arguments), and every (method, seed)
-run starts from that identical folder. Rollouts are sampled by the HF engine in **bf16** while the trainer
-holds **fp32** weights (a real training–inference mismatch), and every rollout batch is split into
-`mini_batches` (default 4) optimiser steps, so later mini-batches are off-policy. All methods get the same
+run starts from that identical folder. Rollouts are sampled by the HF engine in **bf16** (`--engine-dtype`)
+while the trainer holds **fp32** weights (a real training–inference mismatch), and every rollout batch is split
+into `mini_batches` (default 4) optimiser steps, so later mini-batches are off-policy. All methods get the same
 lr, batch and steps; only the `loss` section differs, taken from the method presets of `dppo.presets`.
+
+Methods: a preset name (`SANITY_METHODS`), optionally with loss-field overrides, e.g. `dppo-binary-tv:delta=0.1`
+(`delta` sets δ_low and δ_high, `eps` sets ε_low and ε_high, any other `LossConfig` field by name), or a group
+name from `METHOD_GROUPS` (all = the 9 methods of Fig. 3; key = the 6 of the mismatch study; relax = the
+relax-α ablation of §6 beside its base; delta = the δ sweep of F.4).
+
+The mismatch knob `--logit-noise σ` (`LogitNoise`): the engine samples every token from softmax(logits + σ·z),
+z ~ N(0, 1) drawn afresh for every vocabulary entry at every sampled position, and records that perturbed
+distribution's log-probs as µ (it is the distribution actually sampled from, so π/µ stays an exact importance
+weight). It is a controlled stand-in for a noisy inference engine; the no-mismatch control is
+`--engine-dtype float32 --logit-noise 0`. The noise is off during the evaluation after training.
 
 Outputs in the out-dir: one run folder per (method, seed), `sanity.json` (settings, per-method summary, per-seed
 summaries and curves), `sanity.png` (training reward and mismatch mean |π−µ| over steps, mean over seeds with a
-min–max band) and a printed table.
+min–max band) and a printed table; the time of every (method, seed) run is printed as it finishes.
 
 Summary per run (see `summarize_run`):
 - final accuracy: mean `reward/accuracy` of the last 5 steps;
 - steps to 90%: first step whose `reward/accuracy` ≥ 0.9 ("-" if never);
-- max / final mismatch: max and last-5-step mean of `mismatch/binary_tv_mean` (mean |π−µ| at the start of a step);
+- start / max / final mismatch: first-5-step mean, max and last-5-step mean of `mismatch/binary_tv_mean` (mean
+  |π−µ| at the start of a step; final well above start = the mismatch drifted up);
 - masked fraction: mean of `trust_region/masked_frac` over steps;
 - **collapsed** (`is_collapsed`): yes when (a) the final accuracy is below half of the run's peak accuracy
   (peak of the 5-step running mean over full windows) and the peak is at least 0.05 above the final value, or (b) for 5
@@ -38,12 +50,27 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from dppo.config import Config, LossConfig, replace
+import torch
+from torch import Tensor
+
+from dppo.config import Config, ConfigError, LossConfig, replace
 from dppo.plot import save_figure
 from dppo.presets import PRESETS
+from dppo.trainer import Trainer
 
 SANITY_METHOD_NAMES = ("pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl",
                        "dppo-topk-tv", "dppo-topk-kl", "dppo-recompute")
+"""The default method list (Fig. 3's methods)."""
+RELAX_METHOD_NAMES = ("grpo-relax-high", "grpo-relax-low", "grpo-relax-both")
+"""The relax-α ablation (§6): run on request (`--methods relax`)."""
+METHOD_GROUPS: dict[str, tuple[str, ...]] = {
+    "all": SANITY_METHOD_NAMES,
+    "key": ("pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl"),
+    "relax": ("grpo-clip-higher",) + RELAX_METHOD_NAMES,
+    "delta": ("dppo-binary-tv:delta=0.1", "dppo-binary-tv", "dppo-binary-tv:delta=0.2",
+              "dppo-binary-kl", "dppo-binary-kl:delta=0.1", "dppo-binary-kl:delta=0.15"),
+}
+"""Names usable in `--methods` for a list of methods."""
 TOPK = 20
 WINDOW = 5  # steps averaged for "final" values and the running peak
 COLLAPSE_RATIO = 0.5
@@ -64,13 +91,116 @@ def _loss_overrides(preset: str) -> dict[str, Any]:
     return out
 
 
-SANITY_METHODS: dict[str, dict[str, Any]] = {name: _loss_overrides(name) for name in SANITY_METHOD_NAMES}
+SANITY_METHODS: dict[str, dict[str, Any]] = {name: _loss_overrides(name)
+                                             for name in SANITY_METHOD_NAMES + RELAX_METHOD_NAMES}
 """Method name -> `loss` section overrides (from `dppo.presets`). Top-K methods also get
 rollout.top_k_logprobs = 20 in `sanity_config`."""
 
+_SHORTHANDS = {"delta": ("delta_low", "delta_high"), "eps": ("eps_low", "eps_high")}
+
+
+def method_loss(method: str) -> dict[str, Any]:
+    """The `loss` section of a method spec `NAME[:field=value...]`: the preset's overrides, then the given fields
+    (`delta` = both δ, `eps` = both ε). ValueError naming the method for an unknown name, field or bad value."""
+    name, *pairs = method.split(":")
+    if name not in SANITY_METHODS:
+        raise ValueError(f"method: unknown {name!r}; valid: {', '.join(SANITY_METHODS)} (or a group: "
+                         f"{', '.join(METHOD_GROUPS)})")
+    loss = dict(SANITY_METHODS[name])
+    fields = {f.name: f for f in dataclasses.fields(LossConfig)}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        targets = _SHORTHANDS.get(key, (key,))
+        if not sep or any(t not in fields for t in targets):
+            raise ValueError(f"method {method!r}: expected field=value with a loss field or delta/eps, got {pair!r}")
+        try:
+            value: Any = float(text)
+        except ValueError:
+            value = text
+        for t in targets:
+            loss[t] = value
+    try:
+        LossConfig(**loss)
+    except (ConfigError, TypeError) as exc:
+        raise ValueError(f"method {method!r}: {exc}") from None
+    return loss
+
+
+def expand_methods(names: Sequence[str]) -> list[str]:
+    """Group names replaced by their methods (order kept, duplicates dropped); each spec checked by `method_loss`."""
+    out: list[str] = []
+    for name in names:
+        for m in METHOD_GROUPS.get(name, (name,)):
+            method_loss(m)
+            if m not in out:
+                out.append(m)
+    return out
+
 
 def _needs_topk(method: str) -> bool:
-    return SANITY_METHODS[method]["trust_region"].startswith("dppo_topk")
+    return method_loss(method)["trust_region"].startswith("dppo_topk")
+
+
+def _run_name(method: str) -> str:
+    return method.replace(":", "_").replace("=", "")
+
+
+# ---------------------------------------------------------------------------------------------- the mismatch knob
+class LogitNoise:
+    """A controlled training–inference mismatch: Gaussian noise on the logits an engine samples from.
+
+    Registers a forward hook on `engine_model`'s output embedding (the lm-head) that returns
+    logits + σ·z in float32, z ~ N(0, 1) drawn from its own generator (seeded by `seed`) afresh for every row,
+    position and vocabulary entry. An engine that samples from softmax(logits / τ) and records the log-probs of
+    that distribution (the `hf` engine does) then samples from the perturbed policy µ_σ and records log µ_σ
+    honestly. With σ = 0 or `enabled = False` the logits pass unchanged. (The `hf` engine runs a prompt's prefill
+    once and shares its logits by the prompt's n responses, so at the first response position the noise is drawn
+    once per distinct prompt; later positions get independent noise per response.)
+
+    `record = True` keeps, for every hook call, the exact E_{a~µ_σ}|π(a) − µ_σ(a)| per row of the last position
+    (π = the unperturbed distribution at temperature `temperature`) in `expected_tv` (list of [B] tensors): the
+    mismatch the knob produces, which a Monte Carlo estimate over sampled tokens must match.
+    """
+
+    def __init__(self, engine_model: torch.nn.Module, sigma: float, *, seed: int = 0, temperature: float = 1.0,
+                 record: bool = False) -> None:
+        if not sigma >= 0 or not math.isfinite(sigma):
+            raise ValueError(f"logit_noise: expected a finite value >= 0, got {sigma!r}")
+        self.sigma, self.temperature, self.record = float(sigma), float(temperature), record
+        self.enabled = True
+        self.expected_tv: list[Tensor] = []
+        self._gen = torch.Generator().manual_seed(int(seed))
+        self._handle = engine_model.get_output_embeddings().register_forward_hook(self._hook)
+
+    def _hook(self, module, inputs, output: Tensor) -> Tensor | None:
+        if not self.enabled or self.sigma == 0.0:
+            return None
+        clean = output.float()
+        noise = torch.randn(clean.shape, generator=self._gen, dtype=torch.float32).to(clean.device)
+        noisy = clean + self.sigma * noise
+        if self.record:
+            p = (clean[:, -1] / self.temperature).softmax(-1)
+            m = (noisy[:, -1] / self.temperature).softmax(-1)
+            self.expected_tv.append((m * (p - m).abs()).sum(-1).cpu())
+        return noisy
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class _NoisyRolloutTrainer(Trainer):
+    """A `Trainer` whose engine samples through `LogitNoise(σ)` during training; evaluation samples without it."""
+
+    def __init__(self, cfg: Config, run_dir, *, logit_noise: float, noise_seed: int) -> None:
+        super().__init__(cfg, run_dir)
+        self.noise = LogitNoise(self.engine.model, logit_noise, seed=noise_seed, temperature=cfg.rollout.temperature)
+
+    def evaluate(self, *args, **kwargs):
+        self.noise.enabled = False
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self.noise.enabled = True
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -79,8 +209,6 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers:
                task_seed: int = 0) -> Path:
     """A supervised warm start of a tiny char-level Qwen2 (head size 32) on `addition`, saved to
     `out_dir/warm-<hash of the arguments>/` and reused when that folder already holds a model."""
-    import torch
-
     from dppo.models import char_tokenizer, save_model, tiny_random_model
     from dppo.sft import sft_warm_start
     from dppo.tasks import make_task
@@ -111,19 +239,20 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers:
 def sanity_config(model_dir: str | Path, run_dir: str | Path, method: str, seed: int, *, steps: int = 60,
                   lr: float = 3e-4, prompts_per_step: int = 32, group_size: int = 8, mini_batches: int = 4,
                   digits: int = 1, size: int = 80, eval_size: int = 20, max_new_tokens: int = 4,
-                  micro_batch_size: int = 64, task_seed: int = 0, threads: int = 1) -> Config:
-    """The run config of one (method, seed): HF engine in bf16, fp32 trainer, `addition` task (the warm start's
-    split), `mini_batches` optimiser steps per rollout batch, evaluation only after training, no TensorBoard."""
-    if method not in SANITY_METHODS:
-        raise ValueError(f"method: unknown {method!r}; valid: {', '.join(SANITY_METHODS)}")
+                  micro_batch_size: int = 64, task_seed: int = 0, threads: int = 1,
+                  engine_dtype: str = "bfloat16") -> Config:
+    """The run config of one (method, seed): HF engine in `engine_dtype` (bf16 by default), fp32 trainer,
+    `addition` task (the warm start's split), `mini_batches` optimiser steps per rollout batch, evaluation only
+    after training, no TensorBoard. `method` is a spec of `method_loss`."""
+    loss = method_loss(method)
     return replace(
         Config(),
         model={"name": str(model_dir), "dtype": "float32"},
-        rollout={"engine": "hf", "dtype": "bfloat16", "prompts_per_step": prompts_per_step, "group_size": group_size,
+        rollout={"engine": "hf", "dtype": engine_dtype, "prompts_per_step": prompts_per_step, "group_size": group_size,
                  "max_new_tokens": max_new_tokens, "top_k_logprobs": TOPK if _needs_topk(method) else 0},
         task={"name": "addition", "options": json.dumps({"digits": digits}), "size": size, "eval_size": eval_size,
               "seed": task_seed},
-        loss=dict(SANITY_METHODS[method]),
+        loss=loss,
         optim={"lr": lr},
         train={"steps": steps, "mini_batches": mini_batches, "micro_batch_size": micro_batch_size, "seed": seed,
                "eval_before": False, "eval_every": 0, "threads": threads},
@@ -186,6 +315,7 @@ def summarize_run(rows: Sequence[dict]) -> dict[str, Any]:
         "final_accuracy": _mean(acc[-WINDOW:]),
         "peak_accuracy": max(running_mean(acc)) if acc else None,
         "steps_to_90": steps_to_accuracy(rows),
+        "initial_mismatch": _mean(tv[:WINDOW]),
         "max_mismatch": max(tv) if tv else None,
         "final_mismatch": _mean(tv[-WINDOW:]),
         "masked_frac": _mean(_series(rows, "trust_region/masked_frac")),
@@ -209,6 +339,7 @@ def summarize_method(per_seed: Sequence[dict]) -> dict[str, Any]:
         "final_accuracy_max": max((s["final_accuracy"] for s in per_seed if s["final_accuracy"] is not None), default=None),
         "steps_to_90": reached[len(reached) // 2] if reached else None,
         "reached_90": len(reached),
+        "initial_mismatch": avg("initial_mismatch"),
         "max_mismatch": max((s["max_mismatch"] for s in per_seed if s["max_mismatch"] is not None), default=None),
         "final_mismatch": avg("final_mismatch"),
         "masked_frac": avg("masked_frac"),
@@ -224,15 +355,16 @@ def _fmt(x, spec: str = ".3f") -> str:
 
 def format_table(methods: dict[str, dict]) -> str:
     """One row per method (means over seeds)."""
-    head = (f"{'method':<18}{'seeds':>6}{'acc start':>10}{'acc final':>10}{'(min-max)':>13}{'steps→90%':>10}"
-            f"{'max|π−µ|':>10}{'final|π−µ|':>11}{'masked':>8}{'collapsed':>10}{'eval':>7}{'s/run':>7}")
+    width = max([18] + [len(n) + 2 for n in methods])
+    head = (f"{'method':<{width}}{'seeds':>6}{'acc start':>10}{'acc final':>10}{'(min-max)':>13}{'steps→90%':>10}"
+            f"{'start|π−µ|':>11}{'max|π−µ|':>10}{'final|π−µ|':>11}{'masked':>8}{'collapsed':>10}{'eval':>7}{'s/run':>7}")
     lines = [head]
     for name, m in methods.items():
         s = m["summary"]
         spread = f"{_fmt(s['final_accuracy_min'], '.2f')}-{_fmt(s['final_accuracy_max'], '.2f')}"
         to90 = "-" if s["steps_to_90"] is None else f"{s['steps_to_90']} ({s['reached_90']}/{s['seeds']})"
-        lines.append(f"{name:<18}{s['seeds']:>6}{_fmt(s['initial_accuracy']):>10}{_fmt(s['final_accuracy']):>10}"
-                     f"{spread:>13}{to90:>10}{_fmt(s['max_mismatch'], '.4f'):>10}{_fmt(s['final_mismatch'], '.4f'):>11}"
+        lines.append(f"{name:<{width}}{s['seeds']:>6}{_fmt(s['initial_accuracy']):>10}{_fmt(s['final_accuracy']):>10}"
+                     f"{spread:>13}{to90:>10}{_fmt(s.get('initial_mismatch'), '.4f'):>11}{_fmt(s['max_mismatch'], '.4f'):>10}{_fmt(s['final_mismatch'], '.4f'):>11}"
                      f"{_fmt(s['masked_frac']):>8}{str(s['collapsed']) + '/' + str(s['seeds']):>10}"
                      f"{_fmt(s['eval_pass@1'], '.2f'):>7}{_fmt(s['seconds'], '.0f'):>7}")
     return "\n".join(lines)
@@ -281,21 +413,22 @@ def plot_sanity(methods: dict[str, dict], out: str | Path) -> Path:
 def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path, *, steps: int = 60, lr: float = 3e-4,
                prompts_per_step: int = 32, group_size: int = 8, mini_batches: int = 4, max_new_tokens: int = 4,
                digits: int = 1, size: int = 80, eval_size: int = 20, hidden: int = 128, layers: int = 2,
-               sft_steps: int = 60, warm_seed: int = 0, threads: int = 1, verbose: bool = True) -> dict[str, Any]:
+               sft_steps: int = 60, warm_seed: int = 0, threads: int = 1, engine_dtype: str = "bfloat16",
+               logit_noise: float = 0.0, verbose: bool = True) -> dict[str, Any]:
     """Run every (method, seed) from the same warm-started model; write sanity.json and sanity.png; return the report.
 
     The warm start is one model (seed `warm_seed`) shared by all runs; `seeds` vary the RL run (sampling, data
-    order, mini-batch split)."""
+    order, mini-batch split, logit noise). `methods` are specs or group names (`expand_methods`);
+    `engine_dtype` and `logit_noise` set the rollout-side mismatch (see the module docstring)."""
     from dppo.plot import read_metrics
-    from dppo.trainer import Trainer
 
-    import torch
-
-    unknown = [m for m in methods if m not in SANITY_METHODS]
-    if unknown:
-        raise ValueError(f"methods: unknown {unknown[0]!r}; valid: {', '.join(SANITY_METHODS)}")
+    methods = expand_methods(methods)
     if not methods or not seeds:
         raise ValueError("methods and seeds must be non-empty")
+    if engine_dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"engine_dtype: expected 'bfloat16' or 'float32', got {engine_dtype!r}")
+    if not logit_noise >= 0 or not math.isfinite(logit_noise):
+        raise ValueError(f"logit_noise: expected a finite value >= 0, got {logit_noise!r}")
     if threads:
         torch.set_num_threads(threads)
     out_dir = Path(out_dir)
@@ -311,8 +444,8 @@ def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path
     settings = dict(steps=steps, lr=lr, prompts_per_step=prompts_per_step, group_size=group_size,
                     mini_batches=mini_batches, max_new_tokens=max_new_tokens, digits=digits, size=size,
                     eval_size=eval_size, hidden=hidden, layers=layers, sft_steps=sft_steps, warm_seed=warm_seed,
-                    seeds=list(seeds), engine="hf", engine_dtype="bfloat16", trainer_dtype="float32",
-                    warm_start=str(model_dir))
+                    seeds=list(seeds), engine="hf", engine_dtype=engine_dtype, logit_noise=logit_noise,
+                    trainer_dtype="float32", warm_start=str(model_dir))
     report: dict[str, Any] = {"settings": settings, "criteria": {
         "final_accuracy": f"mean reward/accuracy of the last {WINDOW} steps",
         "steps_to_90": f"first step with reward/accuracy >= {TARGET_ACCURACY} (median over the seeds that reached it)",
@@ -321,12 +454,14 @@ def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path
     for method in methods:
         per_seed, runs = [], []
         for seed in seeds:
-            run_dir = out_dir / f"{method}-seed{seed}"
+            run_dir = out_dir / f"{_run_name(method)}-seed{seed}"
             cfg = sanity_config(model_dir, run_dir, method, seed, steps=steps, lr=lr, prompts_per_step=prompts_per_step,
                                 group_size=group_size, mini_batches=mini_batches, digits=digits, size=size,
-                                eval_size=eval_size, max_new_tokens=max_new_tokens, threads=threads)
+                                eval_size=eval_size, max_new_tokens=max_new_tokens, threads=threads,
+                                engine_dtype=engine_dtype)
             t0 = time.perf_counter()
-            trainer = Trainer(cfg, run_dir)
+            trainer = (_NoisyRolloutTrainer(cfg, run_dir, logit_noise=logit_noise, noise_seed=10_007 * seed + 1)
+                       if logit_noise > 0 else Trainer(cfg, run_dir))
             error = None
             try:
                 results = trainer.train()
@@ -349,7 +484,7 @@ def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path
                       f"collapsed {'yes (' + summary['collapse_reason'] + ')' if summary['collapsed'] else 'no'}",
                       flush=True)
         report["methods"][method] = {
-            "loss": {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in SANITY_METHODS[method].items()},
+            "loss": {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in method_loss(method).items()},
             "summary": summarize_method(per_seed), "per_seed": per_seed,
             "curves": {key: _curves(runs, key) for key, _ in CURVE_KEYS},
         }
@@ -369,7 +504,9 @@ def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dppo sanity", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--methods", default=",".join(SANITY_METHOD_NAMES), help="comma-separated method names")
+    p.add_argument("--methods", default="all",
+                   help="comma-separated method specs NAME[:field=value...] or groups (" +
+                   "; ".join(f"{k} = {' '.join(v)}" for k, v in METHOD_GROUPS.items()) + ")")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
     p.add_argument("--steps", type=int, default=60, help="training steps (rollout batches) per run")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW lr (the same for every method)")
@@ -380,6 +517,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=128, help="warm-start model hidden size (head size 32)")
     p.add_argument("--layers", type=int, default=2, help="warm-start model layers")
     p.add_argument("--sft-steps", type=int, default=60, help="supervised warm-start steps (batch 64)")
+    p.add_argument("--engine-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="rollout engine dtype (the trainer is fp32; float32 + --logit-noise 0 = no mismatch)")
+    p.add_argument("--logit-noise", type=float, default=0.0,
+                   help="sigma of N(0, sigma^2) noise on every logit the engine samples from (recorded as mu)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out-dir", default=None, help="output folder (default: runs/sanity-<timestamp>)")
     p.add_argument("--quick", action="store_true",
@@ -397,7 +538,8 @@ def cmd_sanity(argv: list[str]) -> int:
         return 2
     kwargs = dict(steps=args.steps, lr=args.lr, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                   mini_batches=args.mini_batches, digits=args.digits, hidden=args.hidden, layers=args.layers,
-                  sft_steps=args.sft_steps, threads=args.threads)
+                  sft_steps=args.sft_steps, threads=args.threads, engine_dtype=args.engine_dtype,
+                  logit_noise=args.logit_noise)
     if args.quick:
         methods, seeds = ["dppo-binary-tv", "pg-is"], [0]
         kwargs.update(steps=5, prompts_per_step=8, group_size=4, hidden=64, sft_steps=30)

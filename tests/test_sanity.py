@@ -6,10 +6,11 @@ import math
 
 import pytest
 
-from dppo.config import Config
+from dppo.config import Config, LossConfig
 from dppo.presets import PRESETS
-from dppo.sanity import (SANITY_METHODS, cmd_sanity, format_table, is_collapsed, run_sanity, sanity_config,
-                         steps_to_accuracy, summarize_method, summarize_run)
+from dppo.sanity import (METHOD_GROUPS, SANITY_METHODS, LogitNoise, cmd_sanity, expand_methods, format_table,
+                         is_collapsed, method_loss, run_sanity, sanity_config, steps_to_accuracy, summarize_method,
+                         summarize_run)
 
 
 def rows_from(acc, zero=None, tv=None, masked=None):
@@ -54,6 +55,7 @@ def test_summaries_and_table():
                      masked=[0.1] * 8)
     s = summarize_run(rows)
     assert s["steps_to_90"] == 5 and s["max_mismatch"] == 0.05 and not s["collapsed"]
+    assert s["initial_mismatch"] == pytest.approx(0.13 / 5) and s["final_mismatch"] == pytest.approx(0.11 / 5)
     assert s["final_accuracy"] == pytest.approx((0.9 + 0.92 + 0.95 + 0.96 + 0.8) / 5)
     assert s["initial_accuracy"] == pytest.approx((0.2 + 0.4 + 0.6 + 0.8 + 0.9) / 5)
     assert s["masked_frac"] == pytest.approx(0.1)
@@ -66,7 +68,8 @@ def test_summaries_and_table():
 
 def test_methods_follow_presets():
     assert set(SANITY_METHODS) == {"pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl",
-                                   "dppo-topk-tv", "dppo-topk-kl", "dppo-recompute"}
+                                   "dppo-topk-tv", "dppo-topk-kl", "dppo-recompute",
+                                   "grpo-relax-high", "grpo-relax-low", "grpo-relax-both"}
     for name, loss in SANITY_METHODS.items():
         preset = PRESETS[name][0]().loss
         for key, value in loss.items():
@@ -110,3 +113,137 @@ def test_cmd_quick_and_errors(tmp_path):
     assert (tmp_path / "sanity.json").is_file()
     assert cmd_sanity(["--methods", "bogus", "--out-dir", str(tmp_path / "x")]) == 2
     assert cmd_sanity(["--seeds", "a,b", "--out-dir", str(tmp_path / "y")]) == 2
+
+
+# ---------------------------------------------------------------------------------------------- ablations
+def test_relax_presets_are_sanity_methods_on_request():
+    assert METHOD_GROUPS["all"] == ("pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl",
+                                    "dppo-topk-tv", "dppo-topk-kl", "dppo-recompute")  # the default: no relax runs
+    assert expand_methods(["relax"]) == ["grpo-clip-higher", "grpo-relax-high", "grpo-relax-low", "grpo-relax-both"]
+    for side in ("high", "low", "both"):
+        loss = SANITY_METHODS[f"grpo-relax-{side}"]
+        assert {k: v for k, v in loss.items() if k != "relax_side"} == {
+            "trust_region": "ppo_clip_relax", "anchor": "rollout", "is_cap": 10.0, "eps_low": 0.2, "eps_high": 0.28,
+            "relax_alpha": 0.1}
+        assert LossConfig(**loss).relax_side == side
+        assert PRESETS[f"grpo-relax-{side}"][0]().loss.relax_side == side
+        cfg = sanity_config("m", "r", f"grpo-relax-{side}", 0)
+        assert cfg.loss.trust_region == "ppo_clip_relax" and cfg.loss.relax_side == side and cfg.loss.relax_alpha == 0.1
+
+
+def test_method_specs_override_loss_fields():
+    assert method_loss("dppo-binary-tv:delta=0.1") == {**SANITY_METHODS["dppo-binary-tv"], "delta_low": 0.1,
+                                                       "delta_high": 0.1}
+    loss = method_loss("grpo-clip-higher:eps=0.3:is_cap=inf")
+    assert loss["eps_low"] == loss["eps_high"] == 0.3 and math.isinf(loss["is_cap"])
+    assert sanity_config("m", "r", "dppo-binary-kl:delta=0.15", 0).loss.delta_high == 0.15
+    deltas = [(method_loss(m)["trust_region"], method_loss(m).get("delta_high")) for m in expand_methods(["delta"])]
+    assert deltas == [("dppo_binary_tv", 0.1), ("dppo_binary_tv", None), ("dppo_binary_tv", 0.2),
+                      ("dppo_binary_kl", None), ("dppo_binary_kl", 0.1), ("dppo_binary_kl", 0.15)]
+    assert expand_methods(["key", "pg-is", "dppo-topk-tv"])[-1] == "dppo-topk-tv" and len(expand_methods(["key"])) == 6
+    for bad, match in [("nope", "unknown 'nope'"), ("dppo-binary-tv:foo=1", "foo=1"), ("dppo-binary-tv:delta", "delta"),
+                       ("dppo-binary-tv:delta=-1", "loss.delta_low: expected > 0")]:
+        with pytest.raises(ValueError, match=match):
+            expand_methods([bad])
+
+
+# ---------------------------------------------------------------------------------------------- the mismatch knob
+@pytest.fixture(scope="module")
+def warm_model(tmp_path_factory):
+    """A small supervised warm start (as the study uses, smaller): peaked, addition-shaped distributions."""
+    from dppo.models import load_model, load_tokenizer
+    from dppo.sanity import warm_start
+
+    folder = warm_start(tmp_path_factory.mktemp("warm"), hidden=64, sft_steps=20)
+    return load_model(folder), load_tokenizer(folder)
+
+
+def _noisy_rollouts(warm_model, sigma, *, seed=0, n=16, T=4):
+    """Rollouts of the fp32 warm-start model from an fp32 hf engine through LogitNoise(sigma) for 24 addition
+    prompts, and π (the unperturbed model's log-probs of the same tokens, scored independently by the trainer's
+    scorer)."""
+    import torch
+
+    from dppo.rollout import SamplingParams, collate, make_engine
+    from dppo.scoring import score_responses
+
+    model, tok = warm_model
+    engine = make_engine("hf", model=model, tokenizer=tok, dtype="float32", seed=0)
+    noise = LogitNoise(engine.model, sigma, seed=seed, record=True)
+    texts = [f"{a}+{b}=" for a in range(6) for b in range(4)]
+    ro = engine.generate([tok(t)["input_ids"] for t in texts], SamplingParams(n=n, max_new_tokens=T, seed=seed))
+    batch = collate(ro, pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        pi = score_responses(model, batch.prompt_ids, batch.response_ids, batch.response_mask,
+                             pad_id=tok.pad_token_id).logp
+    return batch, pi, noise
+
+
+@pytest.mark.parametrize("sigma", [0.5, 1.0])
+def test_logit_noise_produces_the_stated_mismatch_and_records_mu_honestly(warm_model, sigma):
+    import torch
+
+    batch, pi, noise = _noisy_rollouts(warm_model, sigma)
+    mask = batch.response_mask
+    mu = batch.rollout_logp
+    # the exact E_{a~µ}|π(a) − µ(a)| of every sampled position, from the hook's full distributions: [T, B] -> [B, T]
+    # (the first call is the prefill over the 24 distinct prompts, whose logits the engine shares by the n = 16 rows)
+    first, *rest = noise.expected_tv
+    assert first.shape == (24,) and all(r.shape == (24 * 16,) for r in rest)
+    expected = torch.stack([first.repeat_interleave(16), *rest]).T[:, : mask.shape[1]]
+    stated = expected[mask].mean()
+    # Monte Carlo over the sampled tokens with π from the independent scorer and µ as recorded by the engine
+    diff = (pi.exp() - mu.exp()).abs()[mask]
+    se = diff.std() / diff.numel() ** 0.5
+    assert abs(diff.mean() - stated) < 4 * se + 1e-4, (float(diff.mean()), float(stated), float(se))
+    assert float(se) < 0.1 * float(stated)  # the comparison is tight: the SE is small against the mismatch
+    # importance-sampling identity E_{a~µ}[π(a)/µ(a)] = 1 holds only if µ is the distribution actually sampled
+    ratio = (pi - mu).exp()[mask]
+    assert abs(ratio.mean() - 1) < 4 * ratio.std() / ratio.numel() ** 0.5
+    # the knob's scale on this small warm start (measured: 0.008 at σ = 0.5, 0.025 at σ = 1; a random model,
+    # nearly uniform over ~96 characters, gives ~0.005 at σ = 0.5): within a factor 2
+    lo, hi = {0.5: (0.004, 0.016), 1.0: (0.0125, 0.05)}[sigma]
+    assert lo < float(stated) < hi, float(stated)
+    print(f"sigma {sigma}: stated {float(stated):.4f}, measured {float(diff.mean()):.4f} +- {float(se):.4f}")
+
+
+def test_logit_noise_off_is_exact_and_noise_is_seeded(warm_model):
+    import torch
+
+    clean, pi, noise = _noisy_rollouts(warm_model, 0.0)
+    assert noise.expected_tv == []  # σ = 0: the hook passes the logits through untouched
+    assert (pi - clean.rollout_logp).abs()[clean.response_mask].max() < 1e-5  # fp32 engine, no noise: µ = π
+    a, _, _ = _noisy_rollouts(warm_model, 1.0, seed=5)
+    b, _, _ = _noisy_rollouts(warm_model, 1.0, seed=5)
+    c, _, _ = _noisy_rollouts(warm_model, 1.0, seed=6)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.rollout_logp, b.rollout_logp)
+    assert not torch.equal(a.rollout_logp, c.rollout_logp)
+    with pytest.raises(ValueError, match="logit_noise"):
+        LogitNoise(torch.nn.Linear(2, 2), -1.0)
+
+
+def test_noisy_study_logs_the_injected_mismatch_against_a_clean_control(tmp_path):
+    kw = dict(steps=2, prompts_per_step=8, group_size=4, mini_batches=2, hidden=64, sft_steps=20, eval_size=8,
+              verbose=False)
+    control = run_sanity(["grpo-clip-higher"], [0], tmp_path / "c", engine_dtype="float32", logit_noise=0.0, **kw)
+    noisy = run_sanity(["grpo-clip-higher"], [0], tmp_path / "n", engine_dtype="float32", logit_noise=1.0, **kw)
+    c = control["methods"]["grpo-clip-higher"]["summary"]
+    n = noisy["methods"]["grpo-clip-higher"]["summary"]
+    assert c["max_mismatch"] < 1e-5  # fp32 engine, no noise: the logged |π−µ| is numerical only
+    assert 0.03 < n["max_mismatch"] < 0.2  # σ = 1: the trainer logs the injected mismatch
+    assert noisy["settings"]["logit_noise"] == 1.0 and control["settings"]["engine_dtype"] == "float32"
+    # evaluation samples without the noise, training rollouts with it
+    from dppo.sanity import _NoisyRolloutTrainer
+
+    cfg = sanity_config(noisy["settings"]["warm_start"], tmp_path / "t", "pg-is", 0, steps=1, prompts_per_step=4,
+                        group_size=2, mini_batches=1, eval_size=8)
+    trainer = _NoisyRolloutTrainer(cfg, tmp_path / "t", logit_noise=1.0, noise_seed=0)
+    try:
+        trainer.noise.record = True
+        assert trainer.evaluate()["pass@1"] >= 0 and trainer.noise.expected_tv == [] and trainer.noise.enabled
+        trainer.step()
+        assert len(trainer.noise.expected_tv) >= 2
+    finally:
+        trainer.close()
+    with pytest.raises(ValueError, match="logit_noise"):
+        run_sanity(["pg-is"], [0], tmp_path / "x", logit_noise=-1.0, **kw)
