@@ -12,8 +12,8 @@ dppo's engine runs in the trainer's precision (fp32, or bf16 weights when the tr
 Every (model, precision, system) runs in its own child process (a clean peak RSS), one after the other; a step's
 time is the median of `--steps` steps after `--warmup`. For dppo the child also measures, on one fresh batch, the
 irreducible parts of a step: the engine generating the same prompts alone, plus the model's forward + backward +
-optimiser step(s) over the resulting sequences alone (the plain `model(input_ids)` forward and dppo's shared-prompt
-forward, the faster counts). `step / parts` is the overhead factor (target <= 1.3).
+optimiser step(s) over the resulting sequences alone (the plain `model(input_ids)` forward and dppo's own forward,
+`dppo.scoring.score_responses`; the faster counts). `step / parts` is the overhead factor (target <= 1.3).
 Targets: vllm >= 2.5x and hf >= 1.5x TRL's response tokens/s on SmolLM2, per precision.
 
     nice .venv/bin/python benchmarks/bench_vs_trl.py                    # both models, fp32 + bf16, all systems
@@ -99,20 +99,28 @@ def run_trl(args, folder: str, bf16: bool) -> dict:
             if logs and "completions/mean_length" in logs:
                 lengths.append(logs["completions/mean_length"])
 
+    M = args.mini_batches  # M optimiser steps per generation batch: TRL's steps_per_generation
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"), use_cpu=True, bf16=bf16, gradient_checkpointing=False,
         lr_scheduler_type="constant", learning_rate=LR, beta=0.0, num_generations=args.gens,
-        per_device_train_batch_size=args.prompts * args.gens, max_completion_length=args.new, temperature=1.0,
-        max_steps=args.warmup + args.steps, logging_steps=1, report_to="none", save_strategy="no", seed=0,
-        dataloader_num_workers=0, disable_tqdm=True, shuffle_dataset=False,
+        per_device_train_batch_size=args.prompts * args.gens // M, steps_per_generation=M,
+        max_completion_length=args.new, temperature=1.0, max_steps=(args.warmup + args.steps) * M, logging_steps=1,
+        report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        shuffle_dataset=False,
     )
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=data,
                           processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
-    tokens = [n * args.prompts * args.gens for n in lengths]
-    return summarise(args, times, tokens)
+    # one rollout batch = M optimiser steps (the first of them generates; with M > 1 TRL also recomputes the
+    # old policy's log-probs, which DPPO anchored at the rollout policy does not need)
+    per_batch = [sum(times[i:i + M]) for i in range(0, len(times), M)]
+    if len(lengths) == len(times):  # one logged mean length per optimiser step
+        means = [sum(lengths[i:i + M]) / M for i in range(0, len(lengths), M)]
+    else:  # TRL logs the completion metrics per generation batch, not per step, when M > 1
+        means = lengths if len(lengths) == len(per_batch) else [sum(lengths) / len(lengths)] * len(per_batch)
+    return summarise(args, per_batch, [m * args.prompts * args.gens for m in means])
 
 
 # --------------------------------------------------------------------------------------------------- dppo
@@ -209,8 +217,11 @@ def irreducible(trainer, args) -> dict:
 
     train_alone(shared)  # warm both paths once (allocator, kernels)
     plain_s, shared_s = train_alone(plain), train_alone(shared)
-    return {"gen_alone_s": gen_s, "train_plain_s": plain_s, "train_shared_s": shared_s,
-            "parts_s": gen_s + min(plain_s, shared_s)}
+    t0 = time.perf_counter()  # the trainer's own update (loss, trust region, metrics) on the same batch
+    trainer._update(batch, adv, None)
+    update_s = time.perf_counter() - t0
+    return {"gen_alone_s": gen_s, "train_plain_s": plain_s, "train_dppo_forward_s": shared_s,
+            "update_same_batch_s": update_s, "parts_s": gen_s + min(plain_s, shared_s)}
 
 
 def summarise(args, times: list[float], tokens: list[float]) -> dict:
@@ -295,7 +306,7 @@ def report(args, results: list[dict]) -> None:
             ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else None
             parts = r.get("parts_s")
             overhead = r["step_s"] / parts if parts else None
-            train_alone = min(r["train_plain_s"], r["train_shared_s"]) if parts else None
+            train_alone = min(r["train_plain_s"], r["train_dppo_forward_s"]) if parts else None
             cells = [f"{ratio:.2f}x" if ratio else "-", f"{r['peak_rss_gib']:.2f}",
                      f"{r['gen_alone_s']:.2f}" if parts else "-", f"{train_alone:.2f}" if parts else "-",
                      f"{overhead:.2f}" if overhead else "-"]

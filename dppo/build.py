@@ -110,14 +110,16 @@ def resolve_engine_name(name: str) -> str:
     return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 
 
-def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | None):
+def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | None, *, seed_offset: int = 0):
+    """The rollout engine, holding a copy of `model`'s weights. seed_offset: added to the engine's seed (the
+    rank in a multi-process run, so that ranks sample different responses)."""
     from dppo.rollout import make_engine
 
     r = cfg.rollout
     name = resolve_engine_name(r.engine)
     if name == "hf":
         engine = make_engine("hf", model=merged_model_copy(model), tokenizer=tokenizer, dtype=_DTYPES[r.dtype],
-                             seed=cfg.train.seed, copy=False)
+                             seed=cfg.train.seed + seed_offset, copy=False)
         if r.top_k_logprobs > engine.max_logprobs:  # fail at start-up, not at the first generate
             raise ValueError(f"rollout.top_k_logprobs: {r.top_k_logprobs} exceeds the hf engine's max_logprobs "
                              f"{engine.max_logprobs} (the vocabulary size)")
@@ -128,7 +130,7 @@ def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | No
     # On CUDA the engine shares the GPU with the trainer (a memory fraction); on CPU its KV cache is bounded in GB.
     extra = ({"gpu_memory_utilization": r.vllm_gpu_memory_utilization} if torch.cuda.is_available()
              else {"kv_cache_gb": r.vllm_kv_cache_gb})
-    engine = make_engine("vllm", source, tokenizer, dtype=r.dtype, seed=cfg.train.seed,
+    engine = make_engine("vllm", source, tokenizer, dtype=r.dtype, seed=cfg.train.seed + seed_offset,
                          max_logprobs=max(20, r.top_k_logprobs), **extra)
     sync_weights(engine, model)
     return engine

@@ -70,21 +70,22 @@ def save_checkpoint(
     step: int,
     *,
     weights: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | dict[str, Any],
     scheduler: Any,
     trainer_state: dict[str, Any],
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint `step` atomically and delete all but the newest `keep` complete ones."""
-    root = Path(run_dir) / "checkpoints"
+    """Write checkpoint `step` atomically and delete all but the newest `keep` complete ones. `optimizer`: the
+    optimizer or its state dict (the full one gathered from FSDP2 shards)."""
+    final = checkpoint_path(run_dir, step)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
     for stale in root.glob(".tmp_step_*"):  # left by a write that was killed; never loadable
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
     save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(optimizer if isinstance(optimizer, dict) else optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     state = {**trainer_state, "step": step, "rng": rng_state()}
     (tmp / "trainer_state.json").write_text(json.dumps(state))
@@ -101,6 +102,11 @@ def save_checkpoint(
     for old in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """Where checkpoint `step` of a run lives."""
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:

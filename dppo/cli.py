@@ -1,10 +1,12 @@
 """The `dppo` command: train, eval, plot, presets.
 
     dppo train [--preset NAME] [--config FILE] [--run-dir DIR] [--resume DIR] [--section.field VALUE ...]
+    torchrun --nproc_per_node N -m dppo.cli train --run-dir DIR ...   (multi-process: see dppo/distributed.py)
     dppo eval  [--run-dir DIR | --preset NAME | --config FILE] [--section.field VALUE ...]
     dppo plot  RUN_DIR [RUN_DIR ...] [--out FILE]
     dppo presets
-    dppo sanity [--methods ...] [--seeds ...] [--steps N] [--lr LR] [--quick]
+    dppo sanity [--methods all|key|relax|delta|NAME[:field=value],...] [--seeds ...] [--steps N] [--lr LR]
+                [--engine-dtype bfloat16|float32] [--logit-noise SIGMA] [--quick]
     dppo diagnose [--model NAME] [--engine auto|hf|vllm] [--engine-dtype bfloat16] [--n-prompts N] ...
 
 Config fields are tyro flags over the dataclass tree of `dppo.config` (`dppo train --help` lists them all with
@@ -21,6 +23,7 @@ import sys
 from pathlib import Path
 
 from dppo.config import Config, ConfigError, replace
+from dppo.distributed import DistributedError
 from dppo.presets import PRESETS, get_preset
 
 _TOP = """Top-level options (before or among the field flags):
@@ -78,6 +81,11 @@ def parse_config(argv: list[str], *, prog: str, resume: bool = True) -> tuple[Co
 def cmd_train(argv: list[str]) -> int:
     cfg, ns, label = parse_config(argv, prog="dppo train")
     resume = bool(getattr(ns, "resume", None))
+    from dppo.distributed import world_from_env
+
+    _, world, _ = world_from_env()
+    if world > 1 and not cfg.log.run_dir:  # a timestamped default could differ between ranks
+        raise ConfigError(f"--run-dir: required under torchrun (WORLD_SIZE={world}): every rank must name the same run directory")
     run_dir = Path(cfg.log.run_dir or Path("runs") / f"{_dt.datetime.now():%Y%m%d-%H%M%S}-{label}")
     cfg = replace(cfg, log={"run_dir": str(run_dir)})
     if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
@@ -86,11 +94,15 @@ def cmd_train(argv: list[str]) -> int:
     from dppo.plot import plot_runs
 
     trainer = Trainer(cfg, run_dir, resume=resume)
-    cfg.save(run_dir / "config.yaml")
+    main_rank = trainer.dist.is_main  # under torchrun only rank 0 writes the run directory and prints
+    if main_rank:
+        cfg.save(run_dir / "config.yaml")
     try:
         results = trainer.train()
     finally:
         trainer.close()
+    if not main_rank:
+        return 0
     plot = plot_runs([run_dir], run_dir / "curves.png")
     summary = {"run_dir": str(run_dir), "plot": str(plot), **results}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -182,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[cmd](rest)
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, DistributedError) as exc:
         print(f"dppo {cmd}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -273,6 +273,12 @@ class TrainConfig:
     max_consecutive_skips: int = 5
     """Stop the run with an error after this many optimiser steps in a row were skipped for a non-finite loss
     or gradient (a single skipped step is counted in optim/skipped_steps_total and training goes on)."""
+    distributed: Literal["ddp", "fsdp2"] = "fsdp2"
+    """Under torchrun (WORLD_SIZE > 1): fsdp2 = `fully_shard` per decoder layer and the root (weights, gradients
+    and optimizer state sharded), ddp = DistributedDataParallel (replicated). Ignored in a single process."""
+    dist_timeout_s: float = 600.0
+    """Under torchrun: limit on the rendezvous and on every collective; a rank that stops answering fails the
+    run after this long instead of hanging it."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "epochs", "mini_batches", "micro_batch_size", "keep_checkpoints", "eval_samples_per_prompt",
@@ -282,7 +288,9 @@ class TrainConfig:
         for name in ("eval_every", "checkpoint_every", "threads"):
             if getattr(self, name) < 0:
                 _fail(f"train.{name}", f"expected >= 0, got {getattr(self, name)}")
-        _positive("train", eval_temperature=self.eval_temperature)
+        _positive("train", eval_temperature=self.eval_temperature, dist_timeout_s=self.dist_timeout_s)
+        if self.distributed not in ("ddp", "fsdp2"):
+            _fail("train.distributed", f"unknown {self.distributed!r}; valid: ddp, fsdp2")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Run logging: metrics.jsonl (one JSON line per step), TensorBoard, samples.jsonl, eval.jsonl, a rich bar.
 
 Only the logger touches files and the terminal; the trainer hands it plain Python numbers once per step.
+In a multi-process run only rank 0's logger is active; the others' (`active=False`) write and print nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ def _drop_records_after(path: Path, step: int) -> None:
 
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, total_steps: int, tensorboard: bool = True, progress: bool = True,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, active: bool = True) -> None:
         self.run_dir = Path(run_dir)
+        self.active = active
+        if not active:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
             _drop_records_after(self.run_dir / name, start_step)
@@ -57,6 +61,8 @@ class RunLogger:
         self._t0 = time.time()
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.active:
+            return
         record = {"step": step, "time": round(time.time() - self._t0, 3), **{k: _clean(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(record) + "\n")
         if self._tb is not None:
@@ -68,10 +74,14 @@ class RunLogger:
             self._progress.update(self._task, completed=step, info=info)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        if not self.active:
+            return
         for s in samples:
             self._samples.write(json.dumps({"step": step, **s}) + "\n")
 
     def log_eval(self, step: int, result: dict[str, float]) -> None:
+        if not self.active:
+            return
         self._eval.write(json.dumps({"step": step, **result}) + "\n")
         if self._tb is not None:
             for key, value in result.items():
@@ -79,12 +89,16 @@ class RunLogger:
                     self._tb.add_scalar(f"eval/{key}", value, step)
 
     def print(self, message: str) -> None:
+        if not self.active:
+            return
         if self._progress is not None:
             self._progress.console.print(message)
         else:
             print(message, flush=True)
 
     def close(self) -> None:
+        if not self.active:
+            return
         if self._progress is not None:
             self._progress.stop()
         if self._tb is not None:

@@ -144,3 +144,21 @@ def test_saved_char_tokenizer_round_trips_spaces_and_newlines(tmp_path):
     assert loaded.decode(loaded.encode(text)) == text
     msgs = [{"role": "user", "content": "hi there"}]
     assert loaded.apply_chat_template(msgs, tokenize=False) == tok.apply_chat_template(msgs, tokenize=False)
+
+
+def test_rank_independent_save_reloads_the_same_model(tmp_path):
+    """The vLLM engine's folder writer for non-zero ranks (where save_pretrained writes nothing): a transformers
+    reload gives the same logits, the tied head included."""
+    from transformers import AutoModelForCausalLM
+
+    from dppo.rollout.vllm import _save_on_any_rank
+
+    model = tiny_random_model(char_tokenizer(), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, seed=1)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(1.5)  # not the initialisation: the saved values must be these
+    _save_on_any_rank(model, str(tmp_path))
+    again = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.arange(1, 9)[None]
+    torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert again.get_output_embeddings().weight.data_ptr() == again.get_input_embeddings().weight.data_ptr() \
+        or not model.config.tie_word_embeddings

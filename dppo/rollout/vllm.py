@@ -329,6 +329,21 @@ class VLLMEngine:
             self._tmpdir = None
 
 
+def _save_on_any_rank(model, folder: str) -> None:
+    """What vLLM needs of `model.save_pretrained(folder)`, written by this process whatever its rank: config,
+    generation config, and the weights as one safetensors file (a tied lm-head left out, as transformers does)."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, f"{folder}/model.safetensors",
+              metadata={"format": "pt"})
+
+
 def _model_folder(model, tokenizer, tmpdir: str | None) -> tuple[Path, object]:
     """(folder vLLM loads, tokenizer): a module is saved to `tmpdir`; a name/path is resolved (ValueError if
     missing); the tokenizer defaults to the folder's, if it has one."""
@@ -337,7 +352,10 @@ def _model_folder(model, tokenizer, tmpdir: str | None) -> tuple[Path, object]:
     if isinstance(model, nn.Module):
         if not hasattr(model, "save_pretrained"):
             raise ValueError("model: a module must be a transformers PreTrainedModel (it is saved for vLLM)")
-        model.save_pretrained(tmpdir)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            _save_on_any_rank(model, tmpdir)  # save_pretrained writes nothing on ranks other than 0
+        else:
+            model.save_pretrained(tmpdir)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmpdir)
         return Path(tmpdir), tokenizer
