@@ -23,6 +23,7 @@ import time
 import torch
 
 from dppo.models import load_model, load_tokenizer, resolve_model_path
+from dppo.presets import CHAIN_SUM_EASY
 from dppo.scoring import score_responses
 from dppo.tasks import make_task
 
@@ -36,7 +37,7 @@ def build(args):
         path = resolve_model_path(args.model)
     tokenizer, model = load_tokenizer(path), load_model(path)
     model.train()
-    task = make_task("chain_sum", size=200, eval_size=16, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    task = make_task("chain_sum", size=200, eval_size=16, **json.loads(CHAIN_SUM_EASY))
     prompts = []
     for ex in list(task.train)[:args.prompts]:
         enc = tokenizer.apply_chat_template(ex.prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
@@ -49,10 +50,12 @@ def build(args):
     return model, [prompts[i // args.gens] for i in range(B)], response, mask
 
 
-def plain_logp(model, prompt_ids, response, mask):
+def plain_logp(model, prompt_ids, response, pad_id: int = 0):
+    """log π of the [B, T] (padded) responses the way most RL trainers get it: each prompt + response sequence
+    left-padded and run whole, logits at the response positions, full log-softmax, gather."""
     seqs = [torch.cat([p, r]) for p, r in zip(prompt_ids, response)]
     width = max(len(s) for s in seqs)
-    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     att = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
         ids[i, width - len(s):], att[i, width - len(s):] = s, 1
@@ -64,7 +67,7 @@ def plain_logp(model, prompt_ids, response, mask):
 def run(mode, model, prompt_ids, response, mask) -> float:
     t0 = time.perf_counter()
     if mode == "plain":
-        logp = plain_logp(model, prompt_ids, response, mask)
+        logp = plain_logp(model, prompt_ids, response)
     else:
         logp = score_responses(model, prompt_ids, response, mask, layout=mode).logp
     ((logp * mask).sum() / mask.sum()).backward()

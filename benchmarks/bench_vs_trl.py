@@ -34,13 +34,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from dppo.presets import CHAIN_SUM_EASY
 
 TARGETS = {"vllm": 2.5, "hf": 1.5}
 """Smallest acceptable dppo / TRL response-tokens/s ratio on SmolLM2."""
 TARGET_OVERHEAD = 1.3
 """Largest acceptable dppo step time / (generation alone + training alone)."""
-CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+CHAIN_SUM = json.loads(CHAIN_SUM_EASY)  # the demo's task: chain_sum with two one-digit terms
 LR = 3e-5
 
 
@@ -133,7 +134,6 @@ def dppo_config(args, folder: str, engine: str, bf16: bool, run_dir: str):
         model={"name": folder, "dtype": "float32", "autocast_bf16": bf16},
         rollout={"engine": engine, "dtype": "bfloat16" if bf16 else "float32", "prompts_per_step": args.prompts,
                  "group_size": args.gens, "max_new_tokens": args.new, "temperature": 1.0},
-        task={"options": json.dumps(CHAIN_SUM), "size": 200},
         loss={"trust_region": "dppo_binary_tv"},
         optim={"lr": LR},
         train={"steps": args.warmup + args.steps, "mini_batches": args.mini_batches,
@@ -169,6 +169,7 @@ def irreducible(trainer, args) -> dict:
     """On one fresh batch: the engine generating it alone, then forward + backward + optimiser step(s) over it alone
     (as `train.mini_batches` steps), with the plain full-sequence forward and with dppo's shared-prompt forward."""
     import torch
+    from bench_scoring import plain_logp  # (benchmarks/ is on sys.path)
 
     from dppo.rollout.base import collate
     from dppo.scoring import score_responses
@@ -187,17 +188,8 @@ def irreducible(trainer, args) -> dict:
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.model.autocast_bf16
                 else torch.autocast("cpu", enabled=False))
 
-    def plain(idx):  # the whole sequence through the model, logits at response positions, log-softmax, gather
-        seqs = [torch.cat([batch.prompt_ids[i], batch.response_ids[i]]) for i in idx.tolist()]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), trainer.pad_id, dtype=torch.long)
-        att = torch.zeros_like(ids)
-        for r, s in enumerate(seqs):
-            ids[r, width - len(s):], att[r, width - len(s):] = s, 1
-        T = batch.response_ids.shape[1]
-        logits = model(input_ids=ids, attention_mask=att).logits[:, -T - 1:-1].float()
-        lp = torch.log_softmax(logits, -1).gather(-1, batch.response_ids[idx, :, None]).squeeze(-1)
-        return lp  # right-aligned responses shorter than T read a few prompt positions: same cost, unused
+    def plain(idx):
+        return plain_logp(model, [batch.prompt_ids[i] for i in idx.tolist()], batch.response_ids[idx], trainer.pad_id)
 
     def shared(idx):
         return score_responses(model, [batch.prompt_ids[i] for i in idx.tolist()], batch.response_ids[idx],

@@ -16,7 +16,6 @@ import json
 import statistics
 import tempfile
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dppo.config import replace

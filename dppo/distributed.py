@@ -112,7 +112,11 @@ def init_from_env(cfg: Config, device: torch.device) -> "Dist":
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
     out = Dist(rank=rank, world_size=world, local_rank=local, strategy=cfg.train.distributed,
                device=torch.device(device.type, local) if device.type == "cuda" else device, owns_group=owns)
-    out.check_same_config(cfg)
+    try:
+        out.check_same_config(cfg)
+    except BaseException:
+        out.close()  # leave the group cleanly: a gloo group torn down at exit after its peer left aborts (rc -6)
+        raise
     return out
 
 

@@ -194,7 +194,6 @@ class Trainer:
 
     def step(self) -> dict[str, float]:
         cfg, timer = self.cfg, StepTimer(cuda=self.device.type == "cuda")
-        self._timer = timer
         t_start = time.perf_counter()
         # Every rank draws the same prompts and keeps its contiguous share (whole groups stay on one rank).
         examples = [self.train_examples[i] for i in self.dist.shard(self.sampler.next(cfg.rollout.prompts_per_step))]
@@ -219,7 +218,7 @@ class Trainer:
             old = self._score(batch, torch.arange(len(rollouts), device=self.device), grad=False) \
                 if cfg.loss.anchor == "recompute" else None
         with timer.time("training"):
-            update_stats = self._update(batch, adv, old)
+            update_stats = self._update(batch, adv, old, timer)
         with timer.time("sync"):
             self.dist.sync_engine(self.engine, self.model)
         self.step_idx += 1
@@ -265,9 +264,9 @@ class Trainer:
         seqs = (groups[:, None] * G + torch.arange(G)[None, :]).reshape(-1).to(self.device)
         return list(seqs.chunk(M))
 
-    def _update(self, batch: RolloutBatch, adv: Tensor, old) -> dict[str, Any]:
+    def _update(self, batch: RolloutBatch, adv: Tensor, old, timer: StepTimer | None = None) -> dict[str, Any]:
         cfg = self.cfg
-        timer = getattr(self, "_timer", None) or StepTimer(cuda=self.device.type == "cuda")
+        timer = timer or StepTimer(cuda=self.device.type == "cuda")
         acc = _Accumulator(self.device)
         first = True
         for epoch in range(cfg.train.epochs):
@@ -440,9 +439,9 @@ class Trainer:
 
 
 def make_optimizer(params: list[Tensor], **hyper) -> torch.optim.AdamW:
-    """AdamW, fused (one kernel over all parameters) where torch has it: ~6x faster than the default per-parameter
-    loop for SmolLM2-135M on CPU (benchmarks/bench_vs_trl.py), the same update to float32 rounding. Sharded
-    (DTensor) parameters keep the default implementation."""
+    """AdamW, fused (one kernel over all parameters) where torch has it: for SmolLM2-135M on CPU one step took
+    0.35 s against 2.04 s for the default per-parameter loop (side by side, same gradients), the same update to
+    float32 rounding (tests/test_trainer.py). Sharded (DTensor) parameters keep the default implementation."""
     from torch.distributed.tensor import DTensor
 
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)

@@ -29,13 +29,17 @@ def test_fast_matches_reference_values_and_grads(tiny, temperature):
     tok, model = tiny
     prompt_ids, response_ids, mask = _batch(tok, ["12+3=", "7+80=", "1+1="], G=3, T=5)
     topk_ids = torch.randint(0, len(tok), (*response_ids.shape, 4))
-    fast = score_responses(model, prompt_ids, response_ids, mask, temperature=temperature, topk_ids=topk_ids,
-                           with_entropy=True)
+    _assert_matches_reference(model, prompt_ids, response_ids, mask, temperature=temperature, topk_ids=topk_ids)
+
+
+def _assert_matches_reference(model, prompt_ids, response_ids, mask, *, layout="auto", **kwargs):
+    """score_responses vs the reference: log-probs, top-K cells, entropy, zeros at padding, and the gradient of
+    every parameter (of the log-probs summed over tokens)."""
+    fast = score_responses(model, prompt_ids, response_ids, mask, with_entropy=True, layout=layout, **kwargs)
     (fast.logp * mask).sum().backward()
     g_fast = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    ref = score_responses_reference(model, prompt_ids, response_ids, mask, temperature=temperature, topk_ids=topk_ids,
-                                    with_entropy=True)
+    ref = score_responses_reference(model, prompt_ids, response_ids, mask, with_entropy=True, **kwargs)
     (ref.logp * mask).sum().backward()
     g_ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -44,7 +48,7 @@ def test_fast_matches_reference_values_and_grads(tiny, temperature):
     torch.testing.assert_close(fast.entropy[mask], ref.entropy[mask])
     assert (fast.logp[~mask] == 0).all()
     for name in g_ref:
-        torch.testing.assert_close(g_fast[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)  # summed over tokens
+        torch.testing.assert_close(g_fast[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_prompts_of_different_lengths_and_shuffled_order(tiny):
@@ -81,19 +85,7 @@ def test_each_layout_matches_reference_values_and_grads(tiny, layout):
     prompt_ids = [prompt_ids[i] for i in perm]
     response_ids, mask = response_ids[perm], mask[perm]
     topk_ids = torch.randint(0, len(tok), (*response_ids.shape, 3))
-    fast = score_responses(model, prompt_ids, response_ids, mask, topk_ids=topk_ids, with_entropy=True, layout=layout)
-    (fast.logp * mask).sum().backward()
-    g_fast = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    ref = score_responses_reference(model, prompt_ids, response_ids, mask, topk_ids=topk_ids, with_entropy=True)
-    (ref.logp * mask).sum().backward()
-    g_ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    torch.testing.assert_close(fast.logp, ref.logp)
-    torch.testing.assert_close(fast.topk_logp[mask], ref.topk_logp[mask])
-    torch.testing.assert_close(fast.entropy[mask], ref.entropy[mask])
-    for name in g_ref:
-        torch.testing.assert_close(g_fast[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    _assert_matches_reference(model, prompt_ids, response_ids, mask, topk_ids=topk_ids, layout=layout)
 
 
 def test_packed_layout_on_a_llama_model_with_grouped_query_attention():
