@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dppo.config import Config
+from dppo.trust_region import DEFAULT_TOP_K
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -83,8 +84,8 @@ def build_model(cfg: Config, run_dir: Path):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(resolve_device(m.device))
-    if m.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if m.gradient_checkpointing:  # non-reentrant: gradients reach LoRA adapters whose inputs need no grad
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = True
     if m.lora_rank:
         from peft import LoraConfig, get_peft_model
@@ -93,6 +94,48 @@ def build_model(cfg: Config, run_dir: Path):
                                                  target_modules=list(m.lora_target_modules), lora_dropout=0.0))
     model.train()
     return model, tokenizer, path
+
+
+def scoring_layout(cfg: Config, *, sharded: bool) -> str:
+    """The scoring layout (`dppo.scoring`) for this run: train.scoring_layout, or for "auto": "packed" under
+    gradient checkpointing (the "shared" layout needs the prompts' KV cache, which checkpointed layers drop),
+    "shared" under FSDP2 (FSDP2 gathers a layer's weights at each call, so every rank must make the same number
+    of decoder calls, which a per-rank "auto" choice would not guarantee), else "auto" (chosen per call)."""
+    layout = cfg.train.scoring_layout
+    if layout != "auto":
+        return layout
+    if cfg.model.gradient_checkpointing:
+        return "packed"
+    return "shared" if sharded else "auto"
+
+
+def build_scorer(cfg: Config, model: nn.Module, dist) -> nn.Module:
+    """What the trainer calls to score: `ScoringModule(model)` with this run's layout, wrapped by DDP or FSDP2
+    under torchrun. FSDP2 shards `model`'s parameters in place (they become DTensors): `fully_shard` per
+    decoder layer, then the root; DDP leaves `model` as it is."""
+    from dppo.scoring import ScoringModule, packed_layout_supported
+
+    layout = scoring_layout(cfg, sharded=dist.sharded)
+    if layout == "packed" and not packed_layout_supported(model):
+        field = "model.gradient_checkpointing" if cfg.train.scoring_layout == "auto" else "train.scoring_layout"
+        raise ValueError(f"{field}: the packed scoring layout needs sdpa or eager attention "
+                         f"(this model uses {model.config._attn_implementation!r})")
+    scorer = ScoringModule(model, layout=layout)
+    if not dist.enabled:
+        return scorer
+    if dist.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [dist.device.index] if dist.device.type == "cuda" else None
+        return DistributedDataParallel(scorer, device_ids=ids)
+    from torch.distributed.fsdp import fully_shard
+
+    from dppo.distributed import decoder_layers
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dist.device_mesh())
+    fully_shard(scorer, mesh=dist.device_mesh())
+    return scorer
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,24 +147,36 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_engine_name(name: str) -> str:
-    if name != "auto":
-        return name
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+def resolve_rollout(cfg: Config) -> tuple["hardware.Choice", "hardware.Choice", str | None]:
+    """(engine, engine dtype, warning or None) for this machine: `rollout.engine/dtype: auto` resolved by
+    `dppo.hardware`, each with its reason."""
+    from dppo import hardware
+
+    device = resolve_device(cfg.model.device)
+    dtype, warning = hardware.resolve_dtype(cfg.rollout.dtype, device)
+    return hardware.resolve_engine(cfg.rollout.engine, dtype.value, device), dtype, warning
 
 
-def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | None, *, seed_offset: int = 0):
+def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | None, *, seed_offset: int = 0,
+                 announce=None):
     """The rollout engine, holding a copy of `model`'s weights. seed_offset: added to the engine's seed (the
-    rank in a multi-process run, so that ranks sample different responses)."""
+    rank in a multi-process run, so that ranks sample different responses). announce: called with the line
+    that says which engine and dtype were chosen and why (and with the emulated-bf16 warning)."""
+    from dppo.hardware import describe
     from dppo.rollout import make_engine
 
     r = cfg.rollout
-    name = resolve_engine_name(r.engine)
+    engine_choice, dtype_choice, warning = resolve_rollout(cfg)
+    for line in (describe(engine_choice, dtype_choice), warning and f"[dppo] warning: {warning}"):
+        if line and announce is not None:
+            announce(line)
+    name, dtype = engine_choice.value, dtype_choice.value
+    top_k = cfg.top_k_logprobs
     if name == "hf":
-        engine = make_engine("hf", model=merged_model_copy(model), tokenizer=tokenizer, dtype=_DTYPES[r.dtype],
-                             seed=cfg.train.seed + seed_offset, copy=False)
-        if r.top_k_logprobs > engine.max_logprobs:  # fail at start-up, not at the first generate
-            raise ValueError(f"rollout.top_k_logprobs: {r.top_k_logprobs} exceeds the hf engine's max_logprobs "
+        engine = make_engine("hf", model=merged_model_copy(model), tokenizer=tokenizer, dtype=_DTYPES[dtype],
+                             seed=cfg.train.seed + seed_offset, copy=False, max_batch_rows=r.hf_max_batch_rows or None)
+        if top_k > engine.max_logprobs:  # fail at start-up, not at the first generate
+            raise ValueError(f"rollout.top_k_logprobs: {top_k} exceeds the hf engine's max_logprobs "
                              f"{engine.max_logprobs} (the vocabulary size)")
         return engine
     # vLLM loads from a folder: the built-in's folder when the weights are untouched, else the engine saves
@@ -130,8 +185,8 @@ def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | No
     # On CUDA the engine shares the GPU with the trainer (a memory fraction); on CPU its KV cache is bounded in GB.
     extra = ({"gpu_memory_utilization": r.vllm_gpu_memory_utilization} if torch.cuda.is_available()
              else {"kv_cache_gb": r.vllm_kv_cache_gb})
-    engine = make_engine("vllm", source, tokenizer, dtype=r.dtype, seed=cfg.train.seed + seed_offset,
-                         max_logprobs=max(20, r.top_k_logprobs), **extra)
+    engine = make_engine("vllm", source, tokenizer, dtype=dtype, seed=cfg.train.seed + seed_offset,
+                         max_logprobs=max(DEFAULT_TOP_K, top_k), **extra)
     sync_weights(engine, model)
     return engine
 

@@ -19,8 +19,8 @@ from typing import Any, Literal
 import yaml
 
 from dppo.advantages import ADVANTAGES
-from dppo.losses import AGGREGATIONS, ANCHORS
-from dppo.trust_region import TRUST_REGIONS, needs_divergence
+from dppo.losses import AGGREGATIONS, ANCHORS, LOSSES
+from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params, check_param, needs_topk, region_params
 
 
 class ConfigError(ValueError):
@@ -75,9 +75,12 @@ class RolloutConfig:
     """The inference engine that samples the responses (the rollout policy µ)."""
 
     engine: Literal["auto", "hf", "vllm"] = "auto"
-    """auto = vllm when importable, else hf."""
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Dtype the engine samples in. bf16 vs an fp32 trainer is a real training-inference mismatch."""
+    """auto = the faster engine for the hardware and engine dtype (dppo.hardware.resolve_engine): vllm on CUDA
+    and on CPUs in bf16; hf on CPUs in float32 (it shares each prompt's prefix across its G samples). vllm
+    only when importable."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype the engine samples in. auto = bfloat16 where it is native (CUDA with bf16; CPUs with avx512_bf16 or
+    AMX), float32 otherwise (emulated bf16 is 3-4x slower). bf16 vs an fp32 trainer is a real mismatch."""
     prompts_per_step: int = 8
     """P: prompts sampled per training step."""
     group_size: int = 8
@@ -86,8 +89,11 @@ class RolloutConfig:
     """Sampling temperature (the trainer scores with the same temperature)."""
     max_new_tokens: int = 24
     """Maximum response length."""
-    top_k_logprobs: int = 0
-    """K: record µ's top-K log-probs per token (needed by the Top-K trust regions; 0 = off)."""
+    top_k_logprobs: int | None = None
+    """K: record µ's top-K log-probs per token (0 = off). None = 20 when the trust region needs them (Top-K
+    TV/KL), else 0."""
+    hf_max_batch_rows: int = 0
+    """hf engine: most responses decoded together (whole prompts per batch; bounds the KV cache); 0 = all P·G."""
     vllm_kv_cache_gb: float = 2.0
     """vLLM on CPU: KV cache size in GB (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_gpu_memory_utilization: float = 0.5
@@ -98,7 +104,9 @@ class RolloutConfig:
             if getattr(self, name) < 1:
                 _fail(f"rollout.{name}", f"expected >= 1, got {getattr(self, name)}")
         _positive("rollout", temperature=self.temperature, vllm_kv_cache_gb=self.vllm_kv_cache_gb)
-        if self.top_k_logprobs < 0:
+        if self.hf_max_batch_rows < 0:
+            _fail("rollout.hf_max_batch_rows", f"expected >= 0, got {self.hf_max_batch_rows}")
+        if self.top_k_logprobs is not None and self.top_k_logprobs < 0:
             _fail("rollout.top_k_logprobs", f"expected >= 0, got {self.top_k_logprobs}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             _fail("rollout.vllm_gpu_memory_utilization", f"expected in (0, 1], got {self.vllm_gpu_memory_utilization}")
@@ -146,54 +154,70 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
-class LossConfig:
-    """The policy loss (spec §3-§4): trust region, anchor, importance-weight cap, aggregation."""
+class _LossSettings:
+    """The policy loss (spec §3-§4): trust region, anchor, importance-weight cap, aggregation. The trust regions'
+    own parameters (delta_low, eps_high, relax_alpha, cppo_*, neg_delta, ...) are fields too, one per name in
+    `dppo.trust_region.TRUST_REGIONS` (see `LossConfig` below)."""
 
     loss: Literal["masked_is", "drpo"] = "masked_is"
     """masked_is = Eq. 23 with the trust-region mask (every method but DRPO); drpo = DRPO's penalty."""
     trust_region: str = "dppo_binary_tv"
     """A name in dppo.trust_region.TRUST_REGIONS (dppo_binary_tv, dppo_binary_kl, dppo_topk_tv, dppo_topk_kl,
-    ppo_clip, ppo_clip_relax, none, cppo)."""
+    ppo_clip, ppo_clip_relax, none, cppo, pg_is_neg_mask)."""
     anchor: Literal["rollout", "recompute"] = "rollout"
     """Mask anchor: rollout µ (default, free) or the recomputed pre-update policy (extra forward pass)."""
-    delta_low: float | None = None
-    """DPPO/CPPO divergence threshold where Â < 0 (None = 0.15 for TV, 0.05 for KL)."""
-    delta_high: float | None = None
-    """DPPO/CPPO divergence threshold where Â > 0 (None = 0.15 for TV, 0.05 for KL)."""
-    eps_low: float | None = None
-    """Ratio-clip ε where Â < 0 (PPO regions; None = 0.2)."""
-    eps_high: float | None = None
-    """Ratio-clip ε where Â > 0 (PPO regions; None = 0.28, clip-higher)."""
     is_cap: float = 10.0
     """C in min(π/µ, C); inf = uncapped."""
     aggregation: str = "seq-mean-token-sum-norm"
     """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
-    relax_alpha: float | None = None
-    """ppo_clip_relax: tokens with µ < α are never masked on the relaxed side."""
-    relax_side: Literal["high", "low", "both"] = "both"
-    """ppo_clip_relax: which side is relaxed."""
     drpo_delta: float = 0.15
     """DRPO's δ in the penalty |Â|/(2δ)·µ·(r−1)²."""
 
     def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            _fail("loss.loss", f"unknown {self.loss!r}; valid: {', '.join(LOSSES)}")
         if self.trust_region not in TRUST_REGIONS:
             _fail("loss.trust_region", f"unknown {self.trust_region!r}; valid: {', '.join(TRUST_REGIONS)}")
         if self.aggregation not in AGGREGATIONS:
             _fail("loss.aggregation", f"unknown {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
         if self.anchor not in ANCHORS:
             _fail("loss.anchor", f"unknown {self.anchor!r}; valid: {', '.join(ANCHORS)}")
-        _positive("loss", delta_low=self.delta_low, delta_high=self.delta_high, eps_low=self.eps_low,
-                  eps_high=self.eps_high, is_cap=self.is_cap, relax_alpha=self.relax_alpha, drpo_delta=self.drpo_delta)
-        if self.trust_region == "ppo_clip_relax" and self.relax_alpha is None:
-            _fail("loss.relax_alpha", "required by trust_region 'ppo_clip_relax'")
+        _positive("loss", is_cap=self.is_cap, drpo_delta=self.drpo_delta)
+        try:  # every trust-region parameter that is set, then the chosen region's (its required ones given)
+            for name in all_params():
+                if getattr(self, name) is not None:
+                    check_param(name, getattr(self, name))
+            region_params(self.trust_region, self.settings())
+        except ValueError as exc:
+            raise ConfigError(f"loss.{exc}") from None
         if self.loss == "drpo" and self.anchor != "rollout":
             _fail("loss.anchor", "drpo has no mask, so only the 'rollout' anchor applies")
 
+    def settings(self) -> dict[str, Any]:
+        """The keyword settings a `dppo.losses.LOSSES` entry takes: every field but `loss` (None = the trust
+        region's default)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "loss"}
+
     def mask_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments `dppo.losses.policy_loss` takes from this section."""
-        return dict(trust_region=self.trust_region, anchor=self.anchor, delta_low=self.delta_low,
-                    delta_high=self.delta_high, eps_low=self.eps_low, eps_high=self.eps_high, is_cap=self.is_cap,
-                    aggregation=self.aggregation, relax_alpha=self.relax_alpha, relax_side=self.relax_side)
+        """The keyword arguments of `dppo.losses.policy_loss` (the earlier name of `settings` less drpo_delta)."""
+        return {k: v for k, v in self.settings().items() if k != "drpo_delta"}
+
+
+def _region_field(name: str, param) -> tuple[str, Any, Any]:
+    """A config field (default None = the region's default) for a trust-region parameter, its help from the registry."""
+    import typing
+
+    import tyro
+
+    kind = str if isinstance(param.default, str) else float
+    return (name, typing.Annotated[kind | None, tyro.conf.arg(help=param.doc)], field(default=None))
+
+
+LossConfig = dataclasses.make_dataclass(
+    "LossConfig", [_region_field(name, p) for name, p in all_params().items()], bases=(_LossSettings,), frozen=True,
+    namespace={"__doc__": _LossSettings.__doc__, "__module__": __name__})
+"""The `loss` section: the fields of `_LossSettings` plus one per trust-region parameter, made from the registry
+(adding a parameter to a trust region adds its `--loss.NAME` flag)."""
 
 
 @dataclass(frozen=True)
@@ -273,6 +297,11 @@ class TrainConfig:
     max_consecutive_skips: int = 5
     """Stop the run with an error after this many optimiser steps in a row were skipped for a non-finite loss
     or gradient (a single skipped step is counted in optim/skipped_steps_total and training goes on)."""
+    scoring_layout: Literal["auto", "packed", "shared"] = "auto"
+    """How the trainer's forward lays out a micro-batch (dppo.scoring): packed = one row per prompt with its
+    responses behind it, no padding; shared = prompts once with a KV cache, responses padded on top; auto =
+    the cheaper by a FLOP estimate (packed under gradient checkpointing or FSDP2 with checkpointing, shared
+    under FSDP2 otherwise: every rank must run the same number of decoder calls)."""
     distributed: Literal["ddp", "fsdp2"] = "fsdp2"
     """Under torchrun (WORLD_SIZE > 1): fsdp2 = `fully_shard` per decoder layer and the root (weights, gradients
     and optimizer state sharded), ddp = DistributedDataParallel (replicated). Ignored in a single process."""
@@ -289,6 +318,8 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 _fail(f"train.{name}", f"expected >= 0, got {getattr(self, name)}")
         _positive("train", eval_temperature=self.eval_temperature, dist_timeout_s=self.dist_timeout_s)
+        if self.scoring_layout not in ("auto", "packed", "shared"):
+            _fail("train.scoring_layout", f"unknown {self.scoring_layout!r}; valid: auto, packed, shared")
         if self.distributed not in ("ddp", "fsdp2"):
             _fail("train.distributed", f"unknown {self.distributed!r}; valid: ddp, fsdp2")
 
@@ -321,8 +352,12 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        if needs_divergence(self.loss.trust_region) and self.rollout.top_k_logprobs < 1:
-            _fail("rollout.top_k_logprobs", f"trust region {self.loss.trust_region!r} needs µ's top-K log-probs: set >= 1 (e.g. 20)")
+        if needs_topk(self.loss.trust_region) and self.top_k_logprobs < 1:
+            _fail("rollout.top_k_logprobs", f"trust region {self.loss.trust_region!r} needs µ's top-K log-probs: "
+                                            f"set >= 1 (or leave it unset for {DEFAULT_TOP_K})")
+        if self.model.gradient_checkpointing and self.train.scoring_layout == "shared":
+            _fail("train.scoring_layout", "'shared' needs the prompts' KV cache, which checkpointed layers do not "
+                                          "keep (model.gradient_checkpointing); use 'packed' or 'auto'")
         if self.advantage.estimator != "group_mean_batch_std" and self.rollout.group_size < 2:
             _fail("rollout.group_size", f"advantage {self.advantage.estimator!r} needs >= 2 responses per prompt")
         if self.train.mini_batches > self.rollout.prompts_per_step:
@@ -331,6 +366,14 @@ class Config:
             _fail("train.mini_batches", f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (groups stay whole)")
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
             _fail("loss.anchor", "drpo has no mask to anchor")
+
+    @property
+    def top_k_logprobs(self) -> int:
+        """K of µ's top-K the engine records: rollout.top_k_logprobs, or when unset (None) DEFAULT_TOP_K (20) for a
+        trust region that needs them and 0 otherwise."""
+        if self.rollout.top_k_logprobs is not None:
+            return self.rollout.top_k_logprobs
+        return DEFAULT_TOP_K if needs_topk(self.loss.trust_region) else 0
 
     # -------- (de)serialisation --------
     def to_dict(self) -> dict[str, Any]:

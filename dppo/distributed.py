@@ -43,20 +43,6 @@ class DistributedError(RuntimeError):
     """A failure of the process group (rendezvous, a rank that failed); raised on every rank."""
 
 
-class ScoringModule(nn.Module):
-    """`dppo.scoring.score_responses` as a module forward, so that DDP and FSDP2 hook a real forward (scoring
-    runs the decoder and the lm-head weight directly, never the causal LM's own forward). `layout` is passed on."""
-
-    def __init__(self, model: nn.Module, layout: str = "auto") -> None:
-        super().__init__()
-        self.model, self.layout = model, layout
-
-    def forward(self, prompt_ids, response_ids, response_mask, **kwargs):
-        from dppo.scoring import score_responses
-
-        return score_responses(self.model, prompt_ids, response_ids, response_mask, layout=self.layout, **kwargs)
-
-
 def world_from_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun's environment variables; (0, 1, 0) without them."""
     try:
@@ -154,29 +140,13 @@ class Dist:
                 raise ConfigError(f"{key}: the configuration differs between ranks (rank 0: {every[0][1].get(key)!r}, "
                                   f"rank {r}: {flat.get(key)!r}; config hashes {every[0][0]} vs {h})")
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The module the trainer calls to score: `ScoringModule(model)`, wrapped by DDP or FSDP2 when distributed.
-        FSDP2 shards `model`'s parameters in place (they become DTensors); DDP leaves `model` as it is.
+    def device_mesh(self):
+        """The 1-D device mesh over all ranks (FSDP2), made once."""
+        if self.mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
 
-        FSDP2 gathers a layer's parameters at each call of the layer, so every rank must call the decoder the same
-        number of times: the scoring layout is fixed to "shared" (two decoder calls) instead of chosen per rank
-        from its own batch ("auto", which may pick the one-call "packed" layout on one rank only)."""
-        scorer = ScoringModule(model, layout="shared" if self.sharded else "auto")
-        if not self.enabled:
-            return scorer
-        if self.strategy == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            return DistributedDataParallel(scorer, device_ids=ids)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=self.mesh)
-        fully_shard(scorer, mesh=self.mesh)
-        return scorer
+            self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        return self.mesh
 
     # ------------------------------------------------------------------ the step
     def shard(self, items: list) -> list:
@@ -206,6 +176,14 @@ class Dist:
         if code == 2:
             raise failure
         raise DistributedError(f"rank {rank} of {self.world_size} failed: {msg}")
+
+    def all_gather_rows(self, local: Tensor) -> Tensor:
+        """Every rank's `local` (the same shape on each) concatenated along dim 0 in rank order."""
+        if not self.enabled:
+            return local
+        every = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(every, local.contiguous())
+        return torch.cat(every)
 
     def any_true(self, flag: bool) -> bool:
         """Collective OR of a Python bool (e.g. 'a signal arrived'), so that every rank takes the same branch."""

@@ -27,14 +27,15 @@ and in the coefficient that multiplies logp, so garbage there reaches neither th
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from dppo._checks import check_choice, check_positive, check_same, check_tensor
-from dppo.trust_region import TRUST_REGIONS, needs_divergence
+from dppo.trust_region import TRUST_REGIONS, all_params, needs_topk, region_params
 
-__all__ = ["AGGREGATIONS", "ANCHORS", "aggregate", "aggregation_denominator", "policy_loss", "drpo_loss"]
+__all__ = ["AGGREGATIONS", "ANCHORS", "LOSSES", "aggregate", "aggregation_denominator", "policy_loss", "drpo_loss"]
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 ANCHORS = ("rollout", "recompute")
@@ -109,24 +110,6 @@ def _check_inputs(logp: Tensor, rollout_logp: Tensor, adv: Tensor, response_mask
     return adv.expand_as(logp)
 
 
-def _mask_params(trust_region: str, given: dict) -> dict:
-    defaults = TRUST_REGIONS[trust_region].defaults
-    params = {}
-    for key, default in defaults.items():
-        value = given.get(key)
-        value = default if value is None else value
-        if value is None:
-            raise ValueError(f"{key}: required by trust_region {trust_region!r} (no default)")
-        if key.startswith(("delta", "eps")) or key in ("relax_alpha", "cppo_delta_b_min"):
-            check_positive(key, value)
-        elif key in ("cppo_w_min", "cppo_q") and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-            raise ValueError(f"{key}: expected a number in [0, 1], got {value!r}")
-        elif key == "cppo_k" and not (isinstance(value, (int, float)) and value >= 0.0):
-            raise ValueError(f"{key}: expected a number >= 0, got {value!r}")
-        params[key] = value
-    return params
-
-
 def policy_loss(
     logp: Tensor,
     rollout_logp: Tensor,
@@ -145,12 +128,7 @@ def policy_loss(
     anchor: str = "rollout",
     max_response_len: int | None = None,
     denominator: Tensor | float | None = None,
-    relax_alpha: float | None = None,
-    relax_side: str | None = None,
-    cppo_w_min: float | None = None,
-    cppo_delta_b_min: float | None = None,
-    cppo_q: float | None = None,
-    cppo_k: float | None = None,
+    **region_kwargs: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The masked importance-weighted surrogate (Eq. 23), aggregated to a scalar.
 
@@ -169,25 +147,27 @@ def policy_loss(
         anchor: "rollout" (mask against µ, the default) or "recompute" (mask against π_old; the importance
             weight stays π/µ).
         max_response_len, denominator: see `aggregate`.
-        relax_alpha, relax_side: the relax-α ablation's α and side. cppo_*: CPPO's parameters.
+        **region_kwargs: the other parameters of the trust region, by name (relax_alpha, relax_side of the
+            relax-α ablation, CPPO's cppo_*, pg_is_neg_mask's neg_delta: `TRUST_REGIONS[name].params` lists
+            each with its default and check). A name no trust region takes is an error; one that only other
+            regions take is ignored, so one set of loss settings serves every region.
 
     Returns (loss scalar, metrics): metrics are detached scalar tensors — masked_frac, masked_frac_pos,
     masked_frac_neg (over active tokens, all/Â>0/Â<0), ratio_mean, ratio_max, ratio_above_cap_frac, and
     the counts n_tokens, n_pos, n_neg to weight them when combining micro-batches, and `keep` itself
     ([B, T] bool, the trust-region mask) for per-token diagnostics.
     """
-    check_choice("trust_region", trust_region, TRUST_REGIONS)
+    unknown = sorted(set(region_kwargs) - set(all_params()))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a parameter of any trust region; valid: {', '.join(sorted(all_params()))}")
+    params = region_params(trust_region, dict(region_kwargs, delta_low=delta_low, delta_high=delta_high,
+                                               eps_low=eps_low, eps_high=eps_high))
     check_choice("anchor", anchor, ANCHORS)
     check_choice("aggregation", aggregation, AGGREGATIONS)
     if not (isinstance(is_cap, (int, float)) and is_cap > 0):
         raise ValueError(f"is_cap: expected a number > 0 (float('inf') for no cap), got {is_cap!r}")
     adv = _check_inputs(logp, rollout_logp, adv, response_mask)
-    params = _mask_params(
-        trust_region,
-        dict(delta_low=delta_low, delta_high=delta_high, eps_low=eps_low, eps_high=eps_high, relax_alpha=relax_alpha,
-             relax_side=relax_side, cppo_w_min=cppo_w_min, cppo_delta_b_min=cppo_delta_b_min, cppo_q=cppo_q, cppo_k=cppo_k),
-    )
-    if needs_divergence(trust_region):
+    if needs_topk(trust_region):
         if divergence is None:
             raise ValueError(f"divergence: required by trust_region {trust_region!r} ([B, T] Top-K estimate)")
         check_same("divergence", divergence, "logp", logp, dtype=False)
@@ -209,7 +189,7 @@ def policy_loss(
         adv_c = adv.detach().to(dtype)
         keep = TRUST_REGIONS[trust_region].fn(logp_d, anchor_logp.to(dtype), adv_c, mask, divergence, **params)
         coef = keep.to(dtype) * weight * adv_c
-        if divergence is not None and needs_divergence(trust_region):
+        if divergence is not None and needs_topk(trust_region):
             # A NaN divergence never masks (comparisons are False); make it poison the loss instead.
             coef = torch.where(torch.isnan(divergence), torch.full_like(coef, float("nan")), coef)
         # Padding gets coefficient 0, so garbage there (NaN/inf µ or Â) cannot reach logp's gradient.
@@ -279,3 +259,27 @@ def drpo_loss(
         n = mask.float().sum()
         metrics = {"ratio_mean": r.sum() / n.clamp(min=1), "ratio_max": r.max() if r.numel() else r.new_zeros(()), "n_tokens": n}
     return loss, metrics
+
+
+def _drpo(logp, rollout_logp, adv, response_mask, *, aggregation="seq-mean-token-sum-norm", max_response_len=None,
+          denominator=None, drpo_delta=0.15, divergence=None, old_logp=None, **_other_settings):
+    """`drpo_loss` under the LOSSES signature (drpo has no mask: the trust-region settings do not apply)."""
+    if old_logp is not None:
+        raise ValueError("old_logp: drpo has no mask to anchor; use anchor='rollout'")
+    return drpo_loss(logp, rollout_logp, adv, response_mask, delta=drpo_delta, aggregation=aggregation,
+                     max_response_len=max_response_len, denominator=denominator)
+
+
+def _masked_is(logp, rollout_logp, adv, response_mask, *, drpo_delta=None, **settings):
+    """`policy_loss` under the LOSSES signature (DRPO's δ does not apply)."""
+    return policy_loss(logp, rollout_logp, adv, response_mask, **settings)
+
+
+LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    "masked_is": _masked_is,
+    "drpo": _drpo,
+}
+"""Every loss has one signature: fn(logp, rollout_logp, adv, response_mask, *, aggregation, max_response_len,
+denominator, divergence, old_logp, **settings) -> (loss, metrics), settings being the `loss` config section's
+fields by name (each loss takes those it uses). `masked_is` is Eq. 23 with a trust-region mask (every method
+but DRPO), `drpo` the quadratic penalty."""

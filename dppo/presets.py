@@ -47,10 +47,7 @@ def paper_sanity() -> Config:
 
 def _method(**loss) -> Callable[[], Config]:
     def preset() -> Config:
-        sections = {"loss": loss}
-        if loss.get("trust_region", "").startswith("dppo_topk"):
-            sections["rollout"] = {"top_k_logprobs": 20}
-        return replace(demo(), **sections)
+        return replace(demo(), loss=loss)  # Top-K regions: the engine records µ's top-20 (Config.top_k_logprobs)
 
     return preset
 
@@ -76,6 +73,7 @@ PRESETS: dict[str, tuple[Callable[[], Config], str]] = {
     "grpo-relax-both": (_method(trust_region="ppo_clip_relax", eps_low=0.2, eps_high=0.28, relax_alpha=0.1, relax_side="both"),
                         "relax-alpha ablation (par. 6): clip-higher 0.2/0.28, no clip where mu < 0.1 (either sign of A)"),
     "cppo": (_method(trust_region="cppo"), "CPPO cumulative position-weighted TV budget (beyond the paper)"),
+    "pg-is-neg-mask": (_method(trust_region="pg_is_neg_mask", is_cap=math.inf), "Fig. 5: PG-IS, only negative samples with mu - pi >= 0.5 masked"),
     "drpo": (_method(loss="drpo"), "DRPO quadratic divergence penalty, no mask (beyond the paper)"),
 }
 

@@ -101,6 +101,8 @@ def score_responses(
         layout = _cheaper_layout(decoder, distinct, owner, lengths, response_ids.shape[1]) if prefix else "shared"
     elif layout == "packed" and not prefix:
         raise ValueError("response_mask: the packed layout needs each row's mask to be a prefix (tokens, then padding)")
+    elif layout == "packed" and not _packable(decoder):
+        raise ValueError(f"layout: 'packed' needs sdpa or eager attention, not {decoder.config._attn_implementation!r}")
     if layout == "packed":
         h = _packed_hidden(decoder, distinct, owner, response_ids, lengths, pad_id)
     else:
@@ -112,8 +114,8 @@ def _cheaper_layout(decoder: nn.Module, distinct: list[Tensor], owner: Tensor, l
     """"packed" unless its dense per-row attention costs more than the padding it saves. FLOPs per layer: a
     token through the linear layers costs 2 x the layer's parameters; a (query, key) pair of attention ~4 x width."""
     layers = getattr(decoder, "layers", None)
-    if not layers or getattr(decoder.config, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
-        return "shared"  # the packed rows need a custom 4D attention mask, which only these backends take
+    if not layers or not _packable(decoder):
+        return "shared"
     per_token = 2 * sum(p.numel() for p in layers[0].parameters())
     per_pair = 4 * getattr(decoder.config, "hidden_size", 1)
     P = torch.tensor([int(p.numel()) for p in distinct], dtype=torch.float64)
@@ -122,6 +124,16 @@ def _cheaper_layout(decoder: nn.Module, distinct: list[Tensor], owner: Tensor, l
     B = len(owner)
     shared = (P.sum() + B * T) * per_token + (P.sum() ** 2 / 2 + B * T * (P.max() + T / 2)) * per_pair
     return "packed" if packed <= shared else "shared"
+
+
+def _packable(decoder: nn.Module) -> bool:
+    """The packed rows need a custom 4D attention mask, which only the sdpa and eager backends take."""
+    return getattr(decoder.config, "_attn_implementation", "sdpa") in ("sdpa", "eager")
+
+
+def packed_layout_supported(model: nn.Module) -> bool:
+    """Whether `model` can be scored with the packed layout (its attention backend takes a 4D mask)."""
+    return _packable(_decoder_and_head(model)[0])
 
 
 def _packed_hidden(decoder, distinct, owner, response_ids, lengths, pad_id) -> Tensor:
@@ -245,3 +257,15 @@ def score_responses_reference(
         torch.stack(topks) if topk_ids is not None else None,
         torch.stack(ents) if with_entropy else None,
     )
+
+
+class ScoringModule(nn.Module):
+    """`score_responses` as a module forward, so that DDP and FSDP2 hook a real forward (scoring runs the decoder
+    and the lm-head weight directly, never the causal LM's own forward). `layout` is passed on."""
+
+    def __init__(self, model: nn.Module, layout: str = "auto") -> None:
+        super().__init__()
+        self.model, self.layout = model, layout
+
+    def forward(self, prompt_ids, response_ids, response_mask, **kwargs) -> Scores:
+        return score_responses(self.model, prompt_ids, response_ids, response_mask, layout=self.layout, **kwargs)

@@ -31,9 +31,11 @@ from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
 from dppo.faults import fault_point
 from dppo.logger import RunLogger
 from dppo.rewards.runner import NonFiniteRewardError
-from dppo.losses import aggregation_denominator, drpo_loss, policy_loss
+from dppo.losses import LOSSES, aggregation_denominator
 from dppo.rollout.base import RolloutBatch, SamplingParams, collate
-from dppo.build import build_engine, build_model, build_reward_runner, build_task, resolve_device, trainable_state
+from dppo.build import build_engine, build_model, build_reward_runner, build_scorer, build_task, resolve_device, trainable_state
+from dppo.scoring import Scores
+from dppo.trust_region import TRUST_REGIONS
 from dppo.distributed import Dist, init_from_env, local_tensor
 
 SKIP_WARN_EVERY = 10  # a skipped optimiser step is announced when a streak starts and then every 10th skip
@@ -134,8 +136,12 @@ class Trainer:
         self.train_examples, self.eval_examples = list(self.task.train), list(self.task.eval)
         self.reward_runner = build_reward_runner(cfg, self.task)
         self.model, self.tokenizer, self.model_path = build_model(cfg, self.run_dir)
-        self.engine = build_engine(cfg, self.model, self.tokenizer, self.model_path, seed_offset=self.dist.rank)
-        self.scorer = self.dist.wrap(self.model)  # what scores: DDP/FSDP2 under torchrun (FSDP2 shards self.model)
+        self.engine = build_engine(cfg, self.model, self.tokenizer, self.model_path, seed_offset=self.dist.rank,
+                                   announce=lambda line: print(line, flush=True) if self.dist.is_main else None)
+        self.scorer = build_scorer(cfg, self.model, self.dist)  # DDP/FSDP2 under torchrun (FSDP2 shards self.model)
+        self.loss_fn, self.loss_settings = LOSSES[cfg.loss.loss], cfg.loss.settings()
+        region = TRUST_REGIONS[cfg.loss.trust_region]
+        self.topk_divergence = {"topk_tv": topk_tv, "topk_kl": topk_kl}[region.divergence] if region.needs_topk else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.device = next(self.model.parameters()).device
         self.optimizer = make_optimizer(self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
@@ -208,15 +214,14 @@ class Trainer:
                 completions = decode_responses(cpu_batch, self.tokenizer)
                 rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
                 rewards = rewards.to(self.device)
-                adv, adv_stats = compute_advantages(cfg.advantage.estimator, rewards, cfg.rollout.group_size, eps=cfg.advantage.eps)
+                adv, adv_stats = self._advantages(rewards)
         except Exception as exc:  # noqa: BLE001 - agreed below: raised on every rank (one process: re-raised)
             failure = exc
         skip = self.dist.agree(failure, skip=NonFiniteRewardError)
         if skip is not None:  # a broken reward (on any rank): no update from this batch
             return self._skip_step(skip, t_start)
         with timer.time("recompute"):
-            old = self._score(batch, torch.arange(len(rollouts), device=self.device), grad=False) \
-                if cfg.loss.anchor == "recompute" else None
+            old = self._recompute(batch) if cfg.loss.anchor == "recompute" else None
         with timer.time("training"):
             update_stats = self._update(batch, adv, old, timer)
         with timer.time("sync"):
@@ -239,7 +244,7 @@ class Trainer:
             temperature=r.temperature if temperature is None else temperature,
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=self.stop_ids,
-            top_k_logprobs=r.top_k_logprobs if top_k is None else top_k,
+            top_k_logprobs=self.cfg.top_k_logprobs if top_k is None else top_k,
             seed=self.cfg.train.seed * 100_003 + step + (self.dist.rank << 32),  # ranks sample differently
         )
 
@@ -255,6 +260,21 @@ class Trainer:
                 topk_ids=batch.topk_ids[idx] if batch.topk_ids is not None else None,
                 with_entropy=with_entropy, pad_id=self.pad_id,
             )
+
+    def _recompute(self, batch: RolloutBatch) -> Scores:
+        """π_old's scores of the whole batch before any update (the recompute anchor), one micro-batch at a time."""
+        idx = torch.arange(batch.response_ids.shape[0], device=self.device)
+        parts = [self._score(batch, micro, grad=False) for micro in idx.split(self.cfg.train.micro_batch_size)]
+        return Scores(*(None if part[0] is None else torch.cat(part) for part in zip(*parts)))
+
+    def _advantages(self, rewards: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Advantages of this rank's rewards, computed over the global batch (under torchrun every rank gathers
+        all ranks' rewards, so batch-level statistics such as group_mean_batch_std's std are the global ones)."""
+        a = self.cfg.advantage
+        every = self.dist.all_gather_rows(rewards)
+        adv, stats = compute_advantages(a.estimator, every, self.cfg.rollout.group_size, eps=a.eps)
+        n = rewards.shape[0]
+        return adv[self.dist.rank * n:(self.dist.rank + 1) * n], stats
 
     def _minibatches(self, B: int, epoch: int) -> list[Tensor]:
         """Split the B = P·G sequences into mini-batches of whole groups, group order shuffled per epoch."""
@@ -273,6 +293,7 @@ class Trainer:
             for mb in self._minibatches(batch.response_ids.shape[0], epoch):
                 denom = self.dist.global_denominator(aggregation_denominator(batch.response_mask[mb], cfg.loss.aggregation))
                 loss_finite = torch.ones((), dtype=torch.bool, device=self.device)
+                mb_loss = torch.zeros((), device=self.device)  # the mini-batch's loss: the sum of its micro-batches'
                 micros = mb.split(cfg.train.micro_batch_size)
                 for micro in micros:
                     self.dist.grad_sync(self.scorer, micro is micros[-1])  # DDP/FSDP2: reduce once per mini-batch
@@ -284,35 +305,31 @@ class Trainer:
                         loss.backward()  # a non-finite loss still backpropagates; _optimizer_step then skips the step
                     with timer.time("loss"):
                         loss_finite &= torch.isfinite(loss.detach())
-                        acc.add_loss(stats, loss.detach())
+                        mb_loss = mb_loss + loss.detach().float()
+                        acc.add_loss(stats)
                         if first:  # the mismatch between engine and trainer before any update of this step
                             acc.add_mismatch(batch, micro, scores)
                 with timer.time("optimizer"):
                     grad_norm = self._optimizer_step(loss_finite)
                 fault_point("update", self.step_idx + 1)
                 acc.add_grad_norm(grad_norm, loss_finite)
+                acc.add_minibatch_loss(mb_loss)
                 first = False
         return acc.result()
 
     def _loss(self, batch, micro, scores, adv, old, denom):
-        cfg = self.cfg
-        mask = batch.response_mask[micro]
-        rollout_logp = batch.rollout_logp[micro]
-        if cfg.loss.loss == "drpo":
-            loss, stats = drpo_loss(scores.logp, rollout_logp, adv[micro], mask, delta=cfg.loss.drpo_delta,
-                                    aggregation=cfg.loss.aggregation, max_response_len=cfg.rollout.max_new_tokens,
-                                    denominator=denom)
-        else:
-            old_logp = old.logp[micro] if old is not None else None
-            divergence = None
-            if cfg.loss.trust_region in ("dppo_topk_tv", "dppo_topk_kl"):
-                fn = topk_tv if cfg.loss.trust_region == "dppo_topk_tv" else topk_kl
-                anchor_cells = old.topk_logp[micro] if old is not None else batch.topk_logp[micro]
-                divergence = fn(scores.topk_logp, anchor_cells, batch.topk_valid[micro])
-            loss, stats = policy_loss(scores.logp, rollout_logp, adv[micro], mask, divergence=divergence,
-                                      old_logp=old_logp, max_response_len=cfg.rollout.max_new_tokens,
-                                      denominator=denom, **cfg.loss.mask_kwargs())
-            stats = dict(stats)
+        """The loss of one micro-batch (a `dppo.losses.LOSSES` entry) and its metrics."""
+        mask, rollout_logp = batch.response_mask[micro], batch.rollout_logp[micro]
+        divergence = None
+        if self.topk_divergence is not None:  # Top-K regions: the divergence against the anchor's top-K cells
+            anchor_cells = old.topk_logp[micro] if old is not None else batch.topk_logp[micro]
+            divergence = self.topk_divergence(scores.topk_logp, anchor_cells, batch.topk_valid[micro])
+        loss, stats = self.loss_fn(scores.logp, rollout_logp, adv[micro], mask, divergence=divergence,
+                                   old_logp=old.logp[micro] if old is not None else None,
+                                   max_response_len=self.cfg.rollout.max_new_tokens, denominator=denom,
+                                   **self.loss_settings)
+        stats = dict(stats)
+        if "keep" in stats:
             stats["masked_mu_hist"] = _masked_mu_histogram(stats.pop("keep"), rollout_logp, mask)
         return loss, stats
 
@@ -527,7 +544,10 @@ class _Accumulator:
         self.sums[key] = self.sums.get(key, 0) + value.detach().float() * weight
         self.weights[key] = self.weights.get(key, 0) + weight
 
-    def add_loss(self, stats: dict[str, Tensor], loss: Tensor) -> None:
+    def add_minibatch_loss(self, loss: Tensor) -> None:
+        self._add("loss/policy", loss, torch.ones((), device=loss.device))
+
+    def add_loss(self, stats: dict[str, Tensor]) -> None:
         n = stats["n_tokens"]
         for key in ("masked_frac", "ratio_mean", "ratio_above_cap_frac"):
             if key in stats:
@@ -536,7 +556,6 @@ class _Accumulator:
             if key in stats:
                 self._add(f"trust_region/{key}", stats[key], stats[w])
         self.ratio_max = torch.maximum(self.ratio_max, stats["ratio_max"].float())
-        self._add("loss/policy", loss, torch.ones((), device=loss.device))
         if "masked_mu_hist" in stats:
             self.hist += stats["masked_mu_hist"]
 

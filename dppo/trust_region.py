@@ -10,15 +10,18 @@ response_mask [B, T] bool (True = real token), divergence [B, T] (a precomputed 
 Top-K regions; None otherwise). r_t = π/anchor. δ_high / ε_high apply where Â_t > 0, δ_low / ε_low where
 Â_t < 0; tokens with Â_t = 0 are kept (their term is zero anyway).
 
-`TRUST_REGIONS` maps a name to a `TrustRegion(fn, defaults, divergence)`: `defaults` lists every scalar
-parameter the mask takes with its default (None = must be given), `divergence` names the estimate the
-mask is defined on ("binary_tv", "binary_kl", "topk_tv", "topk_kl" or None). Adding a trust region is one
-function and one entry here; the shared tests are parametrised over this dict.
+`TRUST_REGIONS` maps a name to a `TrustRegion(fn, params, divergence, needs_topk)`, which carries everything
+about a region: `params` names every scalar parameter of the mask with its default (None = must be given),
+its check and its help text (the config fields `loss.<param>` and the CLI flags `--loss.<param>` are made
+from them, and `region_params` is the one place they are checked); `divergence` names the estimate the mask
+is defined on ("binary_tv", "binary_kl", "topk_tv", "topk_kl" or None); `needs_topk` says the engine must
+record µ's top-K. Adding a trust region is one function and one entry here (`pg_is_neg_mask`, the paper's
+Fig. 5 mask, was added that way); the shared tests are parametrised over this dict.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -36,6 +39,10 @@ __all__ = [
     "ppo_clip_relax",
     "no_mask",
     "cppo",
+    "pg_is_neg_mask",
+    "region_params",
+    "needs_topk",
+    "DEFAULT_TOP_K",
 ]
 
 
@@ -133,34 +140,128 @@ def cppo(
     return toward_anchor | (z <= budget)
 
 
+@torch.no_grad()
+def pg_is_neg_mask(logp, anchor_logp, adv, response_mask, divergence, *, neg_delta: float) -> Tensor:
+    """Fig. 5 (§5.3): PG-IS plus a mask on negative samples only: masked iff Â_t < 0 and
+    anchor(a_t) − π(a_t) ≥ neg_delta (the update has already pushed the token's probability down by δ)."""
+    return ~((adv < 0) & (anchor_logp.exp() - logp.exp() >= neg_delta))
+
+
+class Param(NamedTuple):
+    """One scalar parameter of a trust region: its default (None = must be given), the check its value must
+    pass (`expect` says what it expects, for the error message) and its help text (the CLI's `--loss.NAME`)."""
+
+    default: Any
+    doc: str
+    check: Callable[[Any], bool]
+    expect: str
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _gt0(doc: str, default: float | None) -> Param:
+    return Param(default, doc, lambda x: _number(x) and x > 0, "> 0")
+
+
+def _unit(doc: str, default: float) -> Param:
+    return Param(default, doc, lambda x: _number(x) and 0.0 <= x <= 1.0, "in [0, 1]")
+
+
+_DELTA_DOC = "DPPO/CPPO divergence threshold where Â {} 0 (default per region: 0.15 for TV, 0.05 for KL)."
+_EPS_DOC = "Ratio-clip ε where Â {} 0 (PPO regions; default {})."
+
+
+def _dppo(delta: float) -> dict[str, Param]:
+    return {"delta_low": _gt0(_DELTA_DOC.format("<"), delta), "delta_high": _gt0(_DELTA_DOC.format(">"), delta)}
+
+
+_CLIP = {"eps_low": _gt0(_EPS_DOC.format("<", 0.2), 0.2), "eps_high": _gt0(_EPS_DOC.format(">", "0.28, clip-higher"), 0.28)}
+
+
 class TrustRegion(NamedTuple):
+    """Everything about a trust region: its mask, its parameters, the divergence it is defined on, and whether the
+    engine must record µ's top-K log-probs for it."""
+
     fn: Callable[..., Tensor]
-    defaults: dict
-    """Every keyword parameter of `fn` with its default (None = no default: must be given)."""
+    params: dict[str, Param]
+    """Every keyword parameter of `fn` (name -> Param); config fields and CLI flags are made from these."""
     divergence: str | None
-    """The divergence estimate the mask is defined on (for metrics and for callers that precompute it)."""
+    """The divergence estimate the mask is defined on ("binary_tv", "binary_kl", "topk_tv", "topk_kl" or None)."""
+    needs_topk: bool = False
+    """True when the mask reads a caller-computed Top-K `divergence`: the engine records µ's top-K log-probs."""
 
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """Each parameter's default (None = must be given)."""
+        return {name: p.default for name, p in self.params.items()}
 
-_DPPO_TV = {"delta_low": 0.15, "delta_high": 0.15}
-_DPPO_KL = {"delta_low": 0.05, "delta_high": 0.05}
-_CLIP = {"eps_low": 0.2, "eps_high": 0.28}
 
 TRUST_REGIONS: dict[str, TrustRegion] = {
-    "dppo_binary_tv": TrustRegion(dppo_binary_tv, _DPPO_TV, "binary_tv"),
-    "dppo_binary_kl": TrustRegion(dppo_binary_kl, _DPPO_KL, "binary_kl"),
-    "dppo_topk_tv": TrustRegion(dppo_topk_tv, _DPPO_TV, "topk_tv"),
-    "dppo_topk_kl": TrustRegion(dppo_topk_kl, _DPPO_KL, "topk_kl"),
+    "dppo_binary_tv": TrustRegion(dppo_binary_tv, _dppo(0.15), "binary_tv"),
+    "dppo_binary_kl": TrustRegion(dppo_binary_kl, _dppo(0.05), "binary_kl"),
+    "dppo_topk_tv": TrustRegion(dppo_topk_tv, _dppo(0.15), "topk_tv", needs_topk=True),
+    "dppo_topk_kl": TrustRegion(dppo_topk_kl, _dppo(0.05), "topk_kl", needs_topk=True),
     "ppo_clip": TrustRegion(ppo_clip, _CLIP, None),
-    "ppo_clip_relax": TrustRegion(ppo_clip_relax, {**_CLIP, "relax_alpha": None, "relax_side": "both"}, None),
+    "ppo_clip_relax": TrustRegion(ppo_clip_relax, {
+        **_CLIP,
+        "relax_alpha": _gt0("ppo_clip_relax: tokens with anchor probability < α are never masked on the relaxed side.", None),
+        "relax_side": Param("both", "ppo_clip_relax: which side is relaxed (high = Â > 0, low = Â < 0, both).",
+                            lambda x: x in ("high", "low", "both"), "'high', 'low' or 'both'"),
+    }, None),
     "none": TrustRegion(no_mask, {}, None),
-    "cppo": TrustRegion(
-        cppo,
-        {"delta_low": 0.15, "delta_high": 0.15, "cppo_w_min": 0.8, "cppo_delta_b_min": 0.02, "cppo_q": 0.9, "cppo_k": 1.0},
-        "binary_tv",
-    ),
+    "cppo": TrustRegion(cppo, {
+        **_dppo(0.15),
+        "cppo_w_min": _unit("cppo: smallest position weight w_min (the last token's).", 0.8),
+        "cppo_delta_b_min": _gt0("cppo: lower bound δ_b,min of the per-token budget growth δ_b.", 0.02),
+        "cppo_q": _unit("cppo: quantile q of a sequence's divergences that sets δ_b.", 0.9),
+        "cppo_k": Param(1.0, "cppo: multiplier k of that quantile.", lambda x: _number(x) and x >= 0, ">= 0"),
+    }, "binary_tv"),
+    "pg_is_neg_mask": TrustRegion(pg_is_neg_mask, {
+        "neg_delta": _gt0("pg_is_neg_mask (Fig. 5): mask a token with Â < 0 when anchor(a) − π(a) ≥ this.", 0.5),
+    }, None),
 }
 
+DEFAULT_TOP_K = 20
+"""K of µ's top-K log-probs recorded when a trust region needs them and the run does not set K (the paper's 20)."""
 
-def needs_divergence(name: str) -> bool:
-    """True for trust regions whose mask reads a caller-computed `divergence` (the Top-K ones)."""
-    return TRUST_REGIONS[name].divergence in ("topk_tv", "topk_kl")
+
+def region_params(trust_region: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The keyword parameters of `trust_region`'s mask: `given` values (None = the default), each checked.
+    ValueError naming the parameter (an unknown region, a value failing its check, a missing required one)."""
+    if trust_region not in TRUST_REGIONS:
+        raise ValueError(f"trust_region: unknown value {trust_region!r}; valid: {', '.join(sorted(TRUST_REGIONS))}")
+    out = {}
+    for name, param in TRUST_REGIONS[trust_region].params.items():
+        value = given.get(name)
+        value = param.default if value is None else value
+        if value is None:
+            raise ValueError(f"{name}: required by trust_region {trust_region!r} (no default)")
+        out[name] = check_param(name, value)
+    return out
+
+
+def check_param(name: str, value: Any) -> Any:
+    """`value` if it passes the check of the trust-region parameter `name`, else ValueError naming it."""
+    param = all_params()[name]
+    if not param.check(value):
+        raise ValueError(f"{name}: expected {param.expect}, got {value!r}")
+    return value
+
+
+def all_params() -> dict[str, Param]:
+    """Every parameter name of every trust region, first definition wins (the config makes one field of each)."""
+    out: dict[str, Param] = {}
+    for region in TRUST_REGIONS.values():
+        for name, param in region.params.items():
+            out.setdefault(name, param)
+    return out
+
+
+def needs_topk(name: str) -> bool:
+    """True for trust regions whose mask reads a caller-computed Top-K `divergence` (µ's top-K must be recorded)."""
+    return TRUST_REGIONS[name].needs_topk
+
+
+needs_divergence = needs_topk  # the earlier name, kept for library users

@@ -107,7 +107,7 @@ def test_each_trust_region_runs_two_steps(tmp_path, reward_file, loss):
 @pytest.mark.parametrize(
     "overrides, field",
     [
-        ({"loss": {"trust_region": "dppo_topk_tv"}}, "rollout.top_k_logprobs"),
+        ({"loss": {"trust_region": "dppo_topk_tv"}, "rollout": {"top_k_logprobs": 0}}, "rollout.top_k_logprobs"),
         ({"train": {"mini_batches": 3}}, "train.mini_batches"),
         ({"train": {"mini_batches": 8}}, "train.mini_batches"),
         ({"rollout": {"group_size": 1}}, "rollout.group_size"),

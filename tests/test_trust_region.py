@@ -112,7 +112,20 @@ def test_region_masks_a_large_move_away(name):
     batch["topk_kl"] = binary_kl(pi.log(), mu.log())
     adv = batch["adv"][None, :]
     keep = TRUST_REGIONS[name].fn(pi.log(), mu.log(), adv, batch["mask"], divergence_for(name, batch), **region_params(name))
-    assert keep.tolist() == [[True, False, False]]
+    negatives_only = name == "pg_is_neg_mask"  # Fig. 5's mask leaves positive samples alone by design
+    assert keep.tolist() == [[True, negatives_only, False]]
+
+
+def test_pg_is_neg_mask_by_hand():
+    # masked iff Â < 0 and µ − π ≥ δ (0.5 by default): µ − π = 0.6 (masked), 0.4 (kept), 0.6 with Â > 0 (kept),
+    # π above µ with Â < 0 (kept); δ = 0.3 masks the 0.4 drop too.
+    mu, pi = torch.tensor([[0.7, 0.5, 0.7, 0.2]], dtype=F64), torch.tensor([[0.1, 0.1, 0.1, 0.9]], dtype=F64)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]], dtype=F64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    fn = TRUST_REGIONS["pg_is_neg_mask"].fn
+    assert fn(pi.log(), mu.log(), adv, mask, None, neg_delta=0.5).tolist() == [[False, True, True, True]]
+    assert fn(pi.log(), mu.log(), adv, mask, None, neg_delta=0.3).tolist() == [[False, False, True, True]]
+    assert TRUST_REGIONS["pg_is_neg_mask"].defaults == {"neg_delta": 0.5}
 
 
 def _expected_scale(mask: torch.Tensor, aggregation: str) -> torch.Tensor:

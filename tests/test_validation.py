@@ -142,7 +142,7 @@ ROWS = [
         r"^train\.mini_batches: must divide rollout\.prompts_per_step=4"),
     Row("group-size-1-group-advantage", lambda c: _cfg(rollout={"group_size": 1}), ConfigError,
         r"^rollout\.group_size: advantage 'group_mean' needs >= 2"),
-    Row("topk-region-without-capture", lambda c: _cfg(loss={"trust_region": "dppo_topk_tv"}), ConfigError,
+    Row("topk-region-without-capture", lambda c: _cfg(loss={"trust_region": "dppo_topk_tv"}, rollout={"top_k_logprobs": 0}), ConfigError,
         r"^rollout\.top_k_logprobs: trust region 'dppo_topk_tv' needs"),
     Row("relax-without-alpha", lambda c: _cfg(loss={"trust_region": "ppo_clip_relax"}), ConfigError,
         r"^loss\.relax_alpha: required by trust_region 'ppo_clip_relax'"),

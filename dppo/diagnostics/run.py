@@ -86,14 +86,15 @@ def run_diagnose(
     """Sample with the engine, recompute π in fp32 on the same tokens, report the mismatch by µ bucket.
 
     model: a built-in name (`dppo.models.BUILTIN_MODELS`) or a local model folder. engine: "hf", "vllm" or
-    "auto" (vLLM when installed). engine_dtype: the engine's dtype ("bfloat16", "float16", "float32"; the
+    "auto" (`dppo.hardware.resolve_engine`: vLLM when installed, except hf on a CPU in float32). engine_dtype: the engine's dtype ("bfloat16", "float16", "float32"; the
     trainer is always float32). task / task_options: a `dppo.tasks.make_task` name and its options; the first
     `n_prompts` training questions are used, `n` responses each. top_k: µ's top-K recorded by the engine
     (0 = none: no Top-K metrics). Writes `out_dir/diagnose.json`, `ratio_vs_tv.png` and `histograms.png`;
     returns the report (`mismatch_report`'s dict plus "config", "timing_s" and "files").
     """
     from dppo import models
-    from dppo.build import resolve_device, resolve_engine_name
+    from dppo.build import resolve_device
+    from dppo.hardware import resolve_engine
     from dppo.rollout import SamplingParams, collate
     from dppo.scoring import score_responses
     from dppo.trainer import engine_prompts
@@ -103,7 +104,7 @@ def run_diagnose(
     if n_prompts < 1:
         raise ValueError(f"n_prompts: expected >= 1, got {n_prompts}")
     SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens, top_k_logprobs=top_k)  # validates
-    engine_name = resolve_engine_name(engine)
+    engine_name = resolve_engine(engine, engine_dtype, resolve_device("auto")).value
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     timing: dict[str, float] = {}
