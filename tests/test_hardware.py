@@ -1,0 +1,129 @@
+"""Hardware-aware precision and engine (`dppo.hardware`), with faked CPU flags and CUDA capabilities; the registry's
+trust-region parameters as config fields and CLI flags; the options that were unreachable before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dppo import hardware
+from dppo.config import Config, ConfigError, replace
+from dppo.presets import get_preset
+from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})  # e.g. the AMD EPYC of machine-facts, most laptops
+AVX512_BF16 = AVX2 | {"avx512f", "avx512bw", "avx512_bf16"}  # Zen 4, Cooper Lake
+SAPPHIRE = AVX2 | {"avx512f", "amx_tile", "amx_bf16"}  # Intel AMX
+ARM_BF16 = frozenset({"fp", "asimd", "sve", "bf16"})  # Neoverse V1 /proc/cpuinfo "Features"
+
+
+@pytest.mark.parametrize("flags, native", [(AVX2, False), (AVX512_BF16, True), (SAPPHIRE, True), (ARM_BF16, True),
+                                           (frozenset(), False)])
+def test_auto_dtype_follows_native_bf16_on_cpu(flags, native):
+    choice, warning = hardware.resolve_dtype("auto", CPU, flags=flags)
+    assert choice.value == ("bfloat16" if native else "float32") and warning is None
+    assert ("no native bf16" in choice.reason) != native
+
+
+@pytest.mark.parametrize("bf16, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_dtype_on_cuda_follows_the_device(bf16, expected):
+    assert hardware.resolve_dtype("auto", CUDA, cuda_bf16=bf16)[0].value == expected
+
+
+def test_explicit_bf16_without_native_support_runs_with_a_warning():
+    choice, warning = hardware.resolve_dtype("bfloat16", CPU, flags=AVX2)
+    assert choice.value == "bfloat16"
+    assert "3-4x slower than float32" in warning and "no native bf16" in warning
+    assert hardware.resolve_dtype("bfloat16", CPU, flags=AVX512_BF16)[1] is None
+    assert hardware.resolve_dtype("float32", CPU, flags=AVX2) == (hardware.Choice("float32", "as configured"), None)
+
+
+@pytest.mark.parametrize("device, dtype, has_vllm, expected", [
+    (CPU, "float32", True, "hf"), (CPU, "bfloat16", True, "vllm"), (CUDA, "bfloat16", True, "vllm"),
+    (CUDA, "float32", True, "vllm"), (CPU, "bfloat16", False, "hf"), (CUDA, "bfloat16", False, "hf")])
+def test_auto_engine_rule(device, dtype, has_vllm, expected):
+    assert hardware.resolve_engine("auto", dtype, device, has_vllm=has_vllm).value == expected
+    assert hardware.resolve_engine("vllm", dtype, device, has_vllm=has_vllm).value == "vllm"  # explicit wins
+
+
+def test_this_machine_is_described(capsys):
+    from dppo.build import resolve_rollout
+
+    engine, dtype, _ = resolve_rollout(get_preset("demo"))
+    native = any(f in hardware.cpu_flags() for f in hardware.BF16_CPU_FLAGS)
+    assert dtype.value == ("bfloat16" if native else "float32") or torch.cuda.is_available()
+    line = hardware.describe(engine, dtype)
+    assert line.startswith(f"[dppo] engine {engine.value} (") and f"engine dtype {dtype.value} (" in line
+
+
+def test_the_trainer_announces_its_choice(tmp_path, capsys):
+    from dppo.trainer import Trainer
+
+    cfg = replace(get_preset("smoke"), rollout={"engine": "hf", "dtype": "auto"},
+                  log={"run_dir": str(tmp_path), "tensorboard": False})
+    trainer = Trainer(cfg, tmp_path)
+    engine_dtype = next(trainer.engine.model.parameters()).dtype
+    trainer.close()
+    out = capsys.readouterr().out
+    native = any(f in hardware.cpu_flags() for f in hardware.BF16_CPU_FLAGS)
+    assert f"engine dtype {'bfloat16' if native else 'float32'} (this CPU has" in out
+    assert engine_dtype == (torch.bfloat16 if native else torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- config fields
+def test_every_trust_region_parameter_is_a_config_field_and_a_flag(capsys):
+    from dppo.cli import parse_config
+
+    names = set(all_params())
+    assert {"cppo_w_min", "cppo_delta_b_min", "cppo_q", "cppo_k", "neg_delta", "relax_alpha"} <= names
+    assert names <= set(Config().loss.settings())
+    flags = ["--loss.trust-region", "cppo", "--loss.cppo-w-min", "0.5", "--loss.cppo-delta-b-min", "0.03",
+             "--loss.cppo-q", "0.8", "--loss.cppo-k", "2"]
+    cfg, _, _ = parse_config(["--preset", "smoke", *flags], prog="dppo train")
+    assert (cfg.loss.cppo_w_min, cfg.loss.cppo_delta_b_min, cfg.loss.cppo_q, cfg.loss.cppo_k) == (0.5, 0.03, 0.8, 2.0)
+    cfg, _, _ = parse_config(["--preset", "smoke", "--loss.trust-region", "pg_is_neg_mask", "--loss.neg-delta", "0.8"],
+                             prog="dppo train")
+    assert cfg.loss.neg_delta == 0.8
+    with pytest.raises(ConfigError, match=r"^loss\.cppo_q: expected in \[0, 1\], got 1\.5"):
+        replace(get_preset("smoke"), loss={"trust_region": "cppo", "cppo_q": 1.5})
+    with pytest.raises(ConfigError, match=r"^loss\.neg_delta: expected > 0"):
+        replace(get_preset("smoke"), loss={"neg_delta": -1.0})  # checked even when another region is chosen
+
+
+def test_a_saved_config_with_region_parameters_round_trips(tmp_path):
+    cfg = replace(get_preset("smoke"), loss={"trust_region": "cppo", "cppo_k": 1.5})
+    cfg.save(tmp_path / "config.yaml")
+    assert Config.load(tmp_path / "config.yaml") == cfg
+
+
+def test_top_k_defaults_to_20_only_where_a_trust_region_needs_it():
+    assert get_preset("demo").top_k_logprobs == 0
+    for name, region in TRUST_REGIONS.items():
+        cfg = replace(get_preset("demo"), loss={"trust_region": name, "relax_alpha": 0.1})
+        assert cfg.top_k_logprobs == (DEFAULT_TOP_K if region.needs_topk else 0)
+    assert replace(get_preset("demo"), rollout={"top_k_logprobs": 5}).top_k_logprobs == 5
+    with pytest.raises(ConfigError, match=r"^rollout\.top_k_logprobs: trust region 'dppo_topk_kl' needs"):
+        replace(get_preset("demo"), loss={"trust_region": "dppo_topk_kl"}, rollout={"top_k_logprobs": 0})
+
+
+def test_hf_max_batch_rows_reaches_the_engine(tmp_path):
+    from dppo.trainer import Trainer
+
+    cfg = replace(get_preset("smoke"), rollout={"hf_max_batch_rows": 4},
+                  log={"run_dir": str(tmp_path), "tensorboard": False})
+    trainer = Trainer(cfg, tmp_path)
+    assert trainer.engine.max_batch_rows == 4
+    trainer.close()
+    with pytest.raises(ConfigError, match=r"^rollout\.hf_max_batch_rows: expected >= 0"):
+        replace(get_preset("smoke"), rollout={"hf_max_batch_rows": -1})
+
+
+def test_gradient_checkpointing_picks_the_packed_layout_and_refuses_shared():
+    from dppo.build import scoring_layout
+
+    cfg = replace(get_preset("smoke"), model={"gradient_checkpointing": True})
+    assert scoring_layout(cfg, sharded=True) == scoring_layout(cfg, sharded=False) == "packed"
+    assert scoring_layout(get_preset("smoke"), sharded=True) == "shared"
+    with pytest.raises(ConfigError, match=r"^train\.scoring_layout: 'shared' needs the prompts' KV cache"):
+        replace(cfg, train={"scoring_layout": "shared"})
