@@ -26,11 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 QUIET = ["--log.no-progress", "--log.no-tensorboard", "--train.no-eval-before"]
 
-# (strategy, trust region, mini-batches, grad clip, aggregation): clip 0 compares raw gradients; clip 0.05 is active
-CASES = [("ddp", "dppo_binary_tv", 1, 0.0, "seq-mean-token-sum-norm"),
-         ("fsdp2", "dppo_binary_tv", 2, 0.0, "seq-mean-token-sum-norm"),
-         ("ddp", "ppo_clip", 2, 0.05, "token-mean"),
-         ("fsdp2", "ppo_clip", 1, 0.05, "token-mean")]
+# (strategy, trust region, mini-batches, grad clip, aggregation, model options): clip 0 compares raw gradients;
+# clip 0.05 is active. The last two are the option cross-product's 2-process cells: FSDP2 with gradient
+# checkpointing (the packed layout on every rank) and DDP with LoRA.
+CASES = [("ddp", "dppo_binary_tv", 1, 0.0, "seq-mean-token-sum-norm", ()),
+         ("fsdp2", "dppo_binary_tv", 2, 0.0, "seq-mean-token-sum-norm", ()),
+         ("ddp", "ppo_clip", 2, 0.05, "token-mean", ()),
+         ("fsdp2", "ppo_clip", 1, 0.05, "token-mean", ()),
+         ("fsdp2", "dppo_binary_kl", 1, 0.0, "seq-mean-token-sum-norm", (("gradient_checkpointing", True),)),
+         ("ddp", "dppo_binary_tv", 1, 0.0, "token-mean", (("lora_rank", 4),))]
 P, G, W = 8, 4, 2
 
 
@@ -38,8 +42,8 @@ def _case_config(case, run_dir):
     from dppo.config import replace
     from dppo.presets import get_preset
 
-    strategy, region, M, clip, agg = case
-    return replace(get_preset("smoke"), rollout={"prompts_per_step": P, "group_size": G},
+    strategy, region, M, clip, agg, model = case
+    return replace(get_preset("smoke"), model=dict(model), rollout={"prompts_per_step": P, "group_size": G},
                    loss={"trust_region": region, "aggregation": agg}, optim={"grad_clip": clip},
                    train={"mini_batches": M, "micro_batch_size": 4, "distributed": strategy, "dist_timeout_s": 60},
                    log={"run_dir": str(run_dir), "tensorboard": False, "progress": False})
@@ -174,9 +178,23 @@ def _equality_worker(batch_path: str, out_path: str) -> None:
         run = Path(out_path).parent / f"run_{case[0]}_{case[1]}"
         trainer = Trainer(_case_config(case, run), run)
         results[case] = _run_update(trainer, _rows(batch, local), adv[local])
+    # advantages of this rank's rewards, with batch statistics over all ranks' (group_mean_batch_std's std)
+    from dppo.config import replace
+
+    trainer.cfg = replace(trainer.cfg, advantage={"estimator": "group_mean_batch_std"})
+    rewards = torch.arange(batch.response_ids.shape[0], dtype=torch.float32) ** 2 % 7
+    results["adv"] = [t.tolist() for t in dist_all_gather(trainer._advantages(rewards[local])[0])]
     if rank == 0:
         torch.save(results, out_path)
     dist.destroy_process_group()
+
+
+def dist_all_gather(t):
+    import torch.distributed as dist
+
+    every = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, t)
+    return every
 
 
 def test_two_process_update_equals_one_process_update(global_batch, tmp_path):
@@ -188,6 +206,10 @@ def test_two_process_update_equals_one_process_update(global_batch, tmp_path):
     got = torch.load(out, weights_only=False)
     batch, adv = _load_batch(global_batch)
     B = batch.response_ids.shape[0]
+    from dppo.advantages import group_mean_batch_std
+
+    rewards = torch.arange(B, dtype=torch.float32) ** 2 % 7
+    torch.testing.assert_close(torch.tensor(sum(got.pop("adv"), [])), group_mean_batch_std(rewards, G)[0])
     for case in CASES:
         ref = Trainer(_case_config(case, tmp_path / "ref"), tmp_path / "ref")
         # the global mini-batch m of a 2-process run is the union of each rank's local mini-batch m
