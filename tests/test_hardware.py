@@ -50,9 +50,9 @@ def test_auto_engine_rule(device, dtype, has_vllm, expected):
 def test_this_machine_is_described(capsys):
     from dppo.build import resolve_rollout
 
-    engine, dtype, _ = resolve_rollout(get_preset("demo"))
+    engine, dtype, _ = resolve_rollout(replace(get_preset("demo"), model={"device": "cpu"}))
     native = any(f in hardware.cpu_flags() for f in hardware.BF16_CPU_FLAGS)
-    assert dtype.value == ("bfloat16" if native else "float32") or torch.cuda.is_available()
+    assert dtype.value == ("bfloat16" if native else "float32")
     line = hardware.describe(engine, dtype)
     assert line.startswith(f"[dppo] engine {engine.value} (") and f"engine dtype {dtype.value} (" in line
 
@@ -60,7 +60,7 @@ def test_this_machine_is_described(capsys):
 def test_the_trainer_announces_its_choice(tmp_path, capsys):
     from dppo.trainer import Trainer
 
-    cfg = replace(get_preset("smoke"), rollout={"engine": "hf", "dtype": "auto"},
+    cfg = replace(get_preset("smoke"), model={"device": "cpu"}, rollout={"engine": "hf", "dtype": "auto"},
                   log={"run_dir": str(tmp_path), "tensorboard": False})
     trainer = Trainer(cfg, tmp_path)
     engine_dtype = next(trainer.engine.model.parameters()).dtype
