@@ -1,6 +1,6 @@
 """1 process vs 2 processes (torchrun, DDP and FSDP2) on the same global batch: step time and peak memory.
 
-Each configuration runs `dppo.trainer.Trainer.step` on the same config (P prompts × G responses per step, the hf
+Each configuration runs `dppo.train.trainer.Trainer.step` on the same config (P prompts × G responses per step, the hf
 engine, no eval): `--warmup` untimed steps, then `--steps` timed ones. Rows:
 - 1 process, 1 thread (the speed-up baseline) and 1 process, 2 threads (this machine has 2 cores),
 - 2 processes × 1 thread (torchrun, gloo on CPU / nccl on GPU), DDP and FSDP2.
@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(args, strategy: str, threads: int):
-    from dppo.config import replace
-    from dppo.presets import get_preset
+    from dppo.train.config import replace
+    from dppo.train.presets import get_preset
 
     model = ({"name": "tiny-random", "tiny_hidden": 256, "tiny_layers": 4} if args.model == "tiny"
              else {"name": args.model})
@@ -74,7 +74,7 @@ def _time_collectives(trainer, n_micro: int, n_opt: int) -> float:
 
 
 def worker(args) -> None:
-    from dppo.trainer import Trainer
+    from dppo.train.trainer import Trainer
 
     strategy, threads = args.worker_strategy, args.worker_threads
     run = Path(args.out).parent / "run"
@@ -92,7 +92,8 @@ def worker(args) -> None:
     comm_s = _time_collectives(trainer, n_micro=max(n_micro, 2), n_opt=2)
     sync_bytes = 0
     if trainer.dist.sharded:
-        state = trainer.dist.full_state(trainer.model, trainable_only=False, rank0_only=False)
+        from dppo.train.checkpoint import full_state
+        state = full_state(trainer.dist, trainer.model, trainable_only=False, rank0_only=False)
         unique = {t.data_ptr(): t for t in state.values()}  # a tied lm-head is the embedding's tensor, counted once
         sync_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     out = {"rank": trainer.dist.rank, "world": trainer.dist.world_size, "steps": rows, "comm_s": comm_s,

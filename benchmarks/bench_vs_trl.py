@@ -13,7 +13,7 @@ Every (model, precision, system) runs in its own child process (a clean peak RSS
 time is the median of `--steps` steps after `--warmup`. For dppo the child also measures, on one fresh batch, the
 irreducible parts of a step: the engine generating the same prompts alone, plus the model's forward + backward +
 optimiser step(s) over the resulting sequences alone (the plain `model(input_ids)` forward and dppo's own forward,
-`dppo.scoring.score_responses`; the faster counts). `step / parts` is the overhead factor (target <= 1.3).
+`dppo.train.scoring.score_responses`; the faster counts). `step / parts` is the overhead factor (target <= 1.3).
 Targets: vllm >= 2.5x and hf >= 1.5x TRL's response tokens/s on SmolLM2, per precision.
 
     nice .venv/bin/python benchmarks/bench_vs_trl.py                    # both models, fp32 + bf16, all systems
@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 
-from dppo.presets import CHAIN_SUM_EASY
+from dppo.train.presets import CHAIN_SUM_EASY
 
 TARGETS = {"vllm": 2.5, "hf": 1.5}
 """Smallest acceptable dppo / TRL response-tokens/s ratio on SmolLM2."""
@@ -47,7 +47,7 @@ LR = 3e-5
 
 def model_folder(name: str) -> str:
     """A local folder holding the model and a tokenizer (both TRL and dppo load it by path)."""
-    from dppo.models import cache_dir, load_tokenizer, resolve_model_path, save_model, tiny_random_model
+    from dppo.train.models import cache_dir, load_tokenizer, resolve_model_path, save_model, tiny_random_model
 
     smollm2 = resolve_model_path("smollm2-135m")
     if name == "smollm2-135m":
@@ -126,8 +126,8 @@ def run_trl(args, folder: str, bf16: bool) -> dict:
 
 # --------------------------------------------------------------------------------------------------- dppo
 def dppo_config(args, folder: str, engine: str, bf16: bool, run_dir: str):
-    from dppo.config import replace
-    from dppo.presets import demo
+    from dppo.train.config import replace
+    from dppo.train.presets import demo
 
     return replace(
         demo(),
@@ -143,7 +143,7 @@ def dppo_config(args, folder: str, engine: str, bf16: bool, run_dir: str):
 
 
 def run_dppo(args, folder: str, engine: str, bf16: bool) -> dict:
-    from dppo.trainer import Trainer
+    from dppo.train.trainer import Trainer
 
     run_dir = tempfile.mkdtemp(prefix=f"bench-dppo-{engine}-")
     trainer = Trainer(dppo_config(args, folder, engine, bf16, run_dir), run_dir)
@@ -171,9 +171,9 @@ def irreducible(trainer, args) -> dict:
     import torch
     from bench_scoring import plain_logp  # (benchmarks/ is on sys.path)
 
-    from dppo.rollout.base import collate
-    from dppo.scoring import score_responses
-    from dppo.trainer import engine_prompts
+    from dppo.train.batch import collate
+    from dppo.train.scoring import score_responses
+    from dppo.train.evaluation import engine_prompts
 
     cfg = trainer.cfg
     exs = [trainer.train_examples[i] for i in trainer.sampler.next(cfg.rollout.prompts_per_step)]

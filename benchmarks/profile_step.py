@@ -18,9 +18,9 @@ import tempfile
 
 from torch.profiler import ProfilerActivity, profile
 
-from dppo.config import replace
-from dppo.presets import get_preset
-from dppo.trainer import Trainer
+from dppo.train.config import replace
+from dppo.train.presets import get_preset
+from dppo.train.trainer import Trainer
 
 
 def parse_sets(items: list[str]) -> dict[str, dict]:

@@ -1,7 +1,7 @@
 """The `dppo` command: train, eval, plot, presets.
 
     dppo train [--preset NAME] [--config FILE] [--run-dir DIR] [--resume DIR] [--section.field VALUE ...]
-    torchrun --nproc_per_node N -m dppo.cli train --run-dir DIR ...   (multi-process: see dppo/distributed.py)
+    torchrun --nproc_per_node N -m dppo.cli train --run-dir DIR ...   (multi-process: see dppo/train/distributed.py)
     dppo eval  [--run-dir DIR | --preset NAME | --config FILE] [--section.field VALUE ...]
     dppo plot  RUN_DIR [RUN_DIR ...] [--out FILE]
     dppo presets
@@ -9,7 +9,7 @@
                 [--engine-dtype bfloat16|float32] [--logit-noise SIGMA] [--quick]
     dppo diagnose [--model NAME] [--engine auto|hf|vllm] [--engine-dtype bfloat16] [--n-prompts N] ...
 
-Config fields are tyro flags over the dataclass tree of `dppo.config` (`dppo train --help` lists them all with
+Config fields are tyro flags over the dataclass tree of `dppo.train.config` (`dppo train --help` lists them all with
 their docstrings). Precedence: defaults < preset < --config file < flags. Every value is validated before any
 model is loaded.
 """
@@ -22,9 +22,9 @@ import json
 import sys
 from pathlib import Path
 
-from dppo.config import Config, ConfigError, replace
-from dppo.distributed import DistributedError
-from dppo.presets import PRESETS, get_preset
+from dppo.train.config import Config, ConfigError, replace
+from dppo.train.distributed import DistributedError
+from dppo.train.presets import PRESETS, get_preset
 
 _TOP = """Top-level options (before or among the field flags):
   --preset NAME     start from a preset (`dppo presets` lists them; default: demo)
@@ -81,7 +81,7 @@ def parse_config(argv: list[str], *, prog: str, resume: bool = True) -> tuple[Co
 def cmd_train(argv: list[str]) -> int:
     cfg, ns, label = parse_config(argv, prog="dppo train")
     resume = bool(getattr(ns, "resume", None))
-    from dppo.distributed import world_from_env
+    from dppo.train.distributed import world_from_env
 
     _, world, _ = world_from_env()
     if world > 1 and not cfg.log.run_dir:  # a timestamped default could differ between ranks
@@ -90,8 +90,8 @@ def cmd_train(argv: list[str]) -> int:
     cfg = replace(cfg, log={"run_dir": str(run_dir)})
     if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         raise ConfigError(f"--run-dir: {run_dir} already holds a run; use --resume {run_dir} or another directory")
-    from dppo.trainer import Trainer
-    from dppo.plot import plot_runs
+    from dppo.train.trainer import Trainer
+    from dppo.train.plot import plot_runs
 
     trainer = Trainer(cfg, run_dir, resume=resume)
     main_rank = trainer.dist.is_main  # under torchrun only rank 0 writes the run directory and prints
@@ -126,7 +126,7 @@ def cmd_eval(argv: list[str]) -> int:
         cfg, _, _ = parse_config(["--config", str(Path(ns0.run_dir) / "config.yaml"), *_drop_run_dir(argv)], prog="dppo eval", resume=False)
     else:
         cfg, _, _ = parse_config(argv, prog="dppo eval", resume=False)
-    from dppo.trainer import evaluate_checkpoint
+    from dppo.train.evaluation import evaluate_checkpoint
 
     result = evaluate_checkpoint(cfg, Path(ns0.run_dir) if from_run else None)
     print(json.dumps(result))
@@ -153,7 +153,7 @@ def cmd_plot(argv: list[str]) -> int:
     p.add_argument("run_dirs", nargs="+", help="run directories (each with metrics.jsonl)")
     p.add_argument("--out", default=None, help="output PNG (default: <first run>/curves.png, or compare.png for several)")
     args = p.parse_args(argv)
-    from dppo.plot import plot_runs
+    from dppo.train.plot import plot_runs
 
     out = args.out or (Path(args.run_dirs[0]) / ("curves.png" if len(args.run_dirs) == 1 else "compare.png"))
     print(plot_runs(args.run_dirs, out))
@@ -168,13 +168,13 @@ def cmd_presets(argv: list[str]) -> int:
 
 
 def cmd_diagnose(argv: list[str]) -> int:
-    from dppo.diagnostics.cli import cmd_diagnose as run
+    from dppo.studies.diagnose.cli import cmd_diagnose as run
 
     return run(argv)
 
 
 def cmd_sanity(argv: list[str]) -> int:
-    from dppo.sanity import cmd_sanity as run
+    from dppo.studies.sanity import cmd_sanity as run
 
     return run(argv)
 

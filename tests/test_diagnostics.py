@@ -1,4 +1,4 @@
-"""The mismatch report (`dppo.diagnostics`): hand-built tensors, then `run_diagnose` end to end on a tiny model."""
+"""The mismatch report (`dppo.studies.diagnose`): hand-built tensors, then `run_diagnose` end to end on a tiny model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dppo.diagnostics import DEFAULT_BUCKETS, METRICS, mismatch_report, token_metrics
+from dppo.studies.diagnose import DEFAULT_BUCKETS, METRICS, mismatch_report, token_metrics
 from dppo.divergence import binary_kl, topk_tv
 
 
@@ -126,7 +126,7 @@ def test_trust_region_overrides_and_unknown_name():
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from dppo.models import char_tokenizer, save_model, tiny_random_model
+    from dppo.train.models import char_tokenizer, save_model, tiny_random_model
 
     tok = char_tokenizer()
     model = tiny_random_model(tok, hidden_size=64, num_heads=2, num_kv_heads=2, initializer_range=0.2, seed=0)
@@ -135,7 +135,7 @@ def tiny_folder(tmp_path_factory):
 
 @pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
 def test_run_diagnose_end_to_end(tiny_folder, tmp_path, engine_dtype):
-    from dppo.diagnostics.run import run_diagnose
+    from dppo.studies.diagnose.run import run_diagnose
 
     report = run_diagnose(str(tiny_folder), engine="hf", engine_dtype=engine_dtype, task="addition",
                           task_options={"digits": 1}, n_prompts=4, n=2, max_new_tokens=8, top_k=5, out_dir=tmp_path)
@@ -155,7 +155,7 @@ def test_run_diagnose_end_to_end(tiny_folder, tmp_path, engine_dtype):
 
 
 def test_cmd_diagnose_prints_table(tiny_folder, tmp_path, capsys):
-    from dppo.diagnostics.cli import cmd_diagnose
+    from dppo.studies.diagnose.cli import cmd_diagnose
 
     rc = cmd_diagnose(["--model", str(tiny_folder), "--engine", "hf", "--task", "addition", "--task-options",
                        '{"digits": 1}', "--n-prompts", "2", "--n", "2", "--max-new-tokens", "4", "--top-k", "0",

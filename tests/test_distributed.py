@@ -39,8 +39,8 @@ P, G, W = 8, 4, 2
 
 
 def _case_config(case, run_dir):
-    from dppo.config import replace
-    from dppo.presets import get_preset
+    from dppo.train.config import replace
+    from dppo.train.presets import get_preset
 
     strategy, region, M, clip, agg, model = case
     return replace(get_preset("smoke"), model=dict(model), rollout={"prompts_per_step": P, "group_size": G},
@@ -51,7 +51,7 @@ def _case_config(case, run_dir):
 
 def _rows(batch, idx):
     """The sequences `idx` of a RolloutBatch."""
-    from dppo.rollout.base import RolloutBatch
+    from dppo.train.batch import RolloutBatch
 
     pick = lambda t: t[idx] if t is not None else None  # noqa: E731
     return RolloutBatch(prompt_ids=[batch.prompt_ids[i] for i in idx.tolist()], prompt_index=batch.prompt_index[idx],
@@ -66,14 +66,15 @@ def _run_update(trainer, batch, adv):
     grads = []
 
     def record(opt, args, kwargs):
-        from dppo.distributed import full_tensor
+        from dppo.train.distributed import full_tensor
 
         grads.append({names[p]: full_tensor(p.grad).clone() for p in trainer.params})
 
     handle = trainer.optimizer.register_step_pre_hook(record)
     stats = trainer._update(batch, adv, None)
     handle.remove()
-    weights = trainer.dist.full_state(trainer.model, trainable_only=True, rank0_only=False)
+    from dppo.train.checkpoint import full_state
+    weights = full_state(trainer.dist, trainer.model, trainable_only=True, rank0_only=False)
     return grads, {k: float(v) for k, v in stats.items()}, {k: v.clone() for k, v in weights.items()}
 
 
@@ -129,7 +130,7 @@ def global_batch(tmp_path_factory):
     """A fixed global batch of P·G responses from the tiny model: µ = π·noise, 20% of tokens with µ = 0.4, so
     that both trust regions mask tokens; group-mean advantages of random rewards."""
     from dppo.advantages import compute_advantages
-    from dppo.trainer import Trainer
+    from dppo.train.trainer import Trainer
 
     tmp = tmp_path_factory.mktemp("batch")
     trainer = Trainer(_case_config(CASES[0], tmp / "init"), tmp / "init")
@@ -139,7 +140,7 @@ def global_batch(tmp_path_factory):
     lengths = torch.randint(1, T + 1, (B,), generator=gen)
     mask = torch.arange(T)[None, :] < lengths[:, None]
     ids = torch.where(mask, torch.randint(2, 100, (B, T), generator=gen), torch.zeros((), dtype=torch.long))
-    from dppo.rollout.base import RolloutBatch
+    from dppo.train.batch import RolloutBatch
 
     batch = RolloutBatch(prompt_ids=[prompts[i // G] for i in range(B)], prompt_index=torch.arange(B) // G,
                          response_ids=ids, response_mask=mask, rollout_logp=torch.zeros(B, T), finish_reason=["length"] * B,
@@ -157,7 +158,7 @@ def global_batch(tmp_path_factory):
 
 
 def _load_batch(path):
-    from dppo.rollout.base import RolloutBatch
+    from dppo.train.batch import RolloutBatch
 
     data = torch.load(path, weights_only=False)
     return RolloutBatch(**data["batch"]), data["adv"]
@@ -166,7 +167,7 @@ def _load_batch(path):
 def _equality_worker(batch_path: str, out_path: str) -> None:
     import torch.distributed as dist
 
-    from dppo.trainer import Trainer
+    from dppo.train.trainer import Trainer
 
     dist.init_process_group("gloo")  # the trainers below join this group (and leave it open)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -179,7 +180,7 @@ def _equality_worker(batch_path: str, out_path: str) -> None:
         trainer = Trainer(_case_config(case, run), run)
         results[case] = _run_update(trainer, _rows(batch, local), adv[local])
     # advantages of this rank's rewards, with batch statistics over all ranks' (group_mean_batch_std's std)
-    from dppo.config import replace
+    from dppo.train.config import replace
 
     trainer.cfg = replace(trainer.cfg, advantage={"estimator": "group_mean_batch_std"})
     rewards = torch.arange(batch.response_ids.shape[0], dtype=torch.float32) ** 2 % 7
@@ -198,7 +199,7 @@ def dist_all_gather(t):
 
 
 def test_two_process_update_equals_one_process_update(global_batch, tmp_path):
-    from dppo.trainer import Trainer
+    from dppo.train.trainer import Trainer
 
     out = tmp_path / "dist.pt"
     proc = _torchrun([str(Path(__file__)), "equality", str(global_batch), str(out)])
@@ -274,9 +275,9 @@ def test_nonfinite_reward_on_one_rank_fails_every_rank(tmp_path):
 
 
 def _engine_failure_worker(run_dir: str) -> None:
-    from dppo.config import replace
-    from dppo.presets import get_preset
-    from dppo.trainer import Trainer
+    from dppo.train.config import replace
+    from dppo.train.presets import get_preset
+    from dppo.train.trainer import Trainer
 
     cfg = replace(get_preset("smoke"), train={"eval_before": False},
                   log={"run_dir": run_dir, "tensorboard": False, "progress": False})

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import dppo.trainer as trainer_mod
+import dppo.train.trainer as trainer_mod
 from dppo.cli import main
-from dppo.config import ConfigError, replace
-from dppo.presets import get_preset
-from dppo.trainer import Trainer
+from dppo.train.config import ConfigError, replace
+from dppo.train.presets import get_preset
+from dppo.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -250,9 +250,9 @@ def nan_once(completion, example):
 
 
 def test_nan_reward_skips_the_update_names_the_task_and_counts(tmp_path, monkeypatch, capsys):
-    from dppo.config import replace
-    from dppo.presets import get_preset
-    from dppo.trainer import Trainer
+    from dppo.train.config import replace
+    from dppo.train.presets import get_preset
+    from dppo.train.trainer import Trainer
 
     path = tmp_path / "nan_reward.py"
     path.write_text(NAN_REWARD)

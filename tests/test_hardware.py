@@ -1,4 +1,4 @@
-"""Hardware-aware precision and engine (`dppo.hardware`), with faked CPU flags and CUDA capabilities; the registry's
+"""Hardware-aware precision and engine (`dppo.train.hardware`), with faked CPU flags and CUDA capabilities; the registry's
 trust-region parameters as config fields and CLI flags; the options that were unreachable before."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dppo import hardware
-from dppo.config import Config, ConfigError, replace
-from dppo.presets import get_preset
+from dppo.train import hardware
+from dppo.train.config import Config, ConfigError, replace
+from dppo.train.presets import get_preset
 from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -48,7 +48,7 @@ def test_auto_engine_rule(device, dtype, has_vllm, expected):
 
 
 def test_this_machine_is_described(capsys):
-    from dppo.build import resolve_rollout
+    from dppo.train.build import resolve_rollout
 
     engine, dtype, _ = resolve_rollout(replace(get_preset("demo"), model={"device": "cpu"}))
     native = any(f in hardware.cpu_flags() for f in hardware.BF16_CPU_FLAGS)
@@ -58,7 +58,7 @@ def test_this_machine_is_described(capsys):
 
 
 def test_the_trainer_announces_its_choice(tmp_path, capsys):
-    from dppo.trainer import Trainer
+    from dppo.train.trainer import Trainer
 
     cfg = replace(get_preset("smoke"), model={"device": "cpu"}, rollout={"engine": "hf", "dtype": "auto"},
                   log={"run_dir": str(tmp_path), "tensorboard": False})
@@ -108,7 +108,7 @@ def test_top_k_defaults_to_20_only_where_a_trust_region_needs_it():
 
 
 def test_hf_max_batch_rows_reaches_the_engine(tmp_path):
-    from dppo.trainer import Trainer
+    from dppo.train.trainer import Trainer
 
     cfg = replace(get_preset("smoke"), rollout={"hf_max_batch_rows": 4},
                   log={"run_dir": str(tmp_path), "tensorboard": False})
@@ -120,7 +120,7 @@ def test_hf_max_batch_rows_reaches_the_engine(tmp_path):
 
 
 def test_gradient_checkpointing_picks_the_packed_layout_and_refuses_shared():
-    from dppo.build import scoring_layout
+    from dppo.train.build import scoring_layout
 
     cfg = replace(get_preset("smoke"), model={"gradient_checkpointing": True})
     assert scoring_layout(cfg, sharded=True) == scoring_layout(cfg, sharded=False) == "packed"

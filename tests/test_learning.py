@@ -1,6 +1,6 @@
 """Learning test: DPPO must raise the training reward of a warm-started tiny model by a clear margin.
 
-A character-level tiny Qwen2 is first trained supervised (dppo.sft) on one-digit addition to a low but
+A character-level tiny Qwen2 is first trained supervised (dppo.studies.sft) on one-digit addition to a low but
 nonzero accuracy; then DPPO-Binary-TV with bf16 rollouts (a real engine/trainer mismatch) and 2
 mini-batches per rollout batch trains it. Fixed seeds; the margins are assertions.
 """
@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from dppo.config import Config, replace
-from dppo.models import char_tokenizer, save_model, tiny_random_model
-from dppo.sft import sft_warm_start
+from dppo.train.config import Config, replace
+from dppo.train.models import char_tokenizer, save_model, tiny_random_model
+from dppo.studies.sft import sft_warm_start
 from dppo.tasks import make_task
-from dppo.trainer import Trainer
+from dppo.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 

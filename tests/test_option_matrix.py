@@ -34,11 +34,11 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from dppo.config import ConfigError, replace
+from dppo.train.config import ConfigError, replace
 from dppo.divergence import topk_kl, topk_tv
 from dppo.losses import LOSSES
-from dppo.presets import get_preset
-from dppo.scoring import score_responses_reference
+from dppo.train.presets import get_preset
+from dppo.train.scoring import score_responses_reference
 from dppo.trust_region import TRUST_REGIONS
 
 OPTIONS = {
@@ -103,8 +103,8 @@ def _refusal(cell: dict) -> str | None:
 
 def _far_batch(trainer):
     """P·G responses sampled from the trainer's weights; µ moved far from π on a fixed half of the tokens."""
-    from dppo.rollout.base import collate
-    from dppo.trainer import engine_prompts
+    from dppo.train.batch import collate
+    from dppo.train.evaluation import engine_prompts
 
     examples = trainer.train_examples[:P]
     batch = collate(trainer.engine.generate(engine_prompts(examples, trainer.tokenizer), trainer._sampling_params(0)),
@@ -169,7 +169,7 @@ def test_the_sample_covers_every_pair_and_names_its_cells():
 
 @pytest.mark.parametrize("cell", CELLS, ids=_cell_id)
 def test_cell_matches_the_reference_gradient_or_is_refused(cell, tmp_path):
-    from dppo.trainer import Trainer
+    from dppo.train.trainer import Trainer
 
     field = _refusal(cell)
     if field is not None:

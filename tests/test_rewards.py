@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 import dppo.rewards.builtin
 import dppo.rewards.extract
-import dppo.tasks.base
+import dppo.example
 from dppo.rewards import REWARDS, RewardRunner, default_isolation, get_reward
 from dppo.rewards.extract import boxed, extract_answer, last_number
 from dppo.tasks import Example, make_task
 
 
-@pytest.mark.parametrize("module", [dppo.rewards.builtin, dppo.rewards.extract, dppo.tasks.base])
+@pytest.mark.parametrize("module", [dppo.rewards.builtin, dppo.rewards.extract, dppo.example])
 def test_doctests(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dppo.rollout import ENGINES, Engine, SamplingParams, collate, make_engine
+from dppo.rollout import ENGINES, Engine, SamplingParams, make_engine
+from dppo.train.batch import collate
 from dppo.rollout.base import Rollout
 from dppo.rollout.hf import HFEngine
 

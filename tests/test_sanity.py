@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from dppo.config import Config, LossConfig
-from dppo.presets import PRESETS
-from dppo.sanity import (METHOD_GROUPS, SANITY_METHODS, LogitNoise, cmd_sanity, expand_methods, format_table,
+from dppo.train.config import Config, LossConfig
+from dppo.train.presets import PRESETS
+from dppo.studies.sanity import (METHOD_GROUPS, SANITY_METHODS, LogitNoise, cmd_sanity, expand_methods, format_table,
                          is_collapsed, method_loss, run_sanity, sanity_config, steps_to_accuracy, summarize_method,
                          summarize_run)
 
@@ -78,10 +78,10 @@ def test_methods_follow_presets():
     assert SANITY_METHODS["minirl"]["anchor"] == "recompute" and SANITY_METHODS["dppo-recompute"]["anchor"] == "recompute"
     cfg = sanity_config("m", "r", "dppo-topk-kl", 1, steps=7, lr=1e-3, prompts_per_step=8, group_size=4)
     assert isinstance(cfg, Config)
-    assert cfg.rollout.top_k_logprobs == 20 and cfg.rollout.dtype == "bfloat16" and cfg.model.dtype == "float32"
+    assert cfg.top_k_logprobs == 20 and cfg.rollout.dtype == "bfloat16" and cfg.model.dtype == "float32"
     assert cfg.rollout.engine == "hf" and cfg.train.mini_batches == 4 and cfg.train.seed == 1 and cfg.train.steps == 7
     assert not cfg.log.tensorboard and not cfg.log.progress and not cfg.train.eval_before
-    assert sanity_config("m", "r", "pg-is", 0).rollout.top_k_logprobs == 0
+    assert sanity_config("m", "r", "pg-is", 0).top_k_logprobs == 0
     with pytest.raises(ValueError, match="unknown"):
         sanity_config("m", "r", "nope", 0)
 
@@ -151,8 +151,8 @@ def test_method_specs_override_loss_fields():
 @pytest.fixture(scope="module")
 def warm_model(tmp_path_factory):
     """A small supervised warm start (as the study uses, smaller): peaked, addition-shaped distributions."""
-    from dppo.models import load_model, load_tokenizer
-    from dppo.sanity import warm_start
+    from dppo.train.models import load_model, load_tokenizer
+    from dppo.studies.sanity import warm_start
 
     folder = warm_start(tmp_path_factory.mktemp("warm"), hidden=64, sft_steps=20)
     return load_model(folder), load_tokenizer(folder)
@@ -164,8 +164,9 @@ def _noisy_rollouts(warm_model, sigma, *, seed=0, n=16, T=4):
     scorer)."""
     import torch
 
-    from dppo.rollout import SamplingParams, collate, make_engine
-    from dppo.scoring import score_responses
+    from dppo.rollout import SamplingParams, make_engine
+    from dppo.train.batch import collate
+    from dppo.train.scoring import score_responses
 
     model, tok = warm_model
     engine = make_engine("hf", model=model, tokenizer=tok, dtype="float32", seed=0)
@@ -233,7 +234,7 @@ def test_noisy_study_logs_the_injected_mismatch_against_a_clean_control(tmp_path
     assert 0.03 < n["max_mismatch"] < 0.2  # σ = 1: the trainer logs the injected mismatch
     assert noisy["settings"]["logit_noise"] == 1.0 and control["settings"]["engine_dtype"] == "float32"
     # evaluation samples without the noise, training rollouts with it
-    from dppo.sanity import _NoisyRolloutTrainer
+    from dppo.studies.sanity import _NoisyRolloutTrainer
 
     cfg = sanity_config(noisy["settings"]["warm_start"], tmp_path / "t", "pg-is", 0, steps=1, prompts_per_step=4,
                         group_size=2, mini_batches=1, eval_size=8)

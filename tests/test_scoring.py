@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dppo.models import char_tokenizer, tiny_random_model
-from dppo.scoring import score_responses, score_responses_reference
+from dppo.train.models import char_tokenizer, tiny_random_model
+from dppo.train.scoring import score_responses, score_responses_reference
 
 
 def _batch(tok, prompts, G, T, seed=0):
@@ -108,7 +108,7 @@ def test_packed_layout_on_a_llama_model_with_grouped_query_attention():
 
 
 def test_auto_layout_prefers_packing_for_short_rows_and_rejects_bad_input(tiny):
-    from dppo.scoring import _cheaper_layout
+    from dppo.train.scoring import _cheaper_layout
 
     tok, model = tiny
     decoder = model.get_decoder()

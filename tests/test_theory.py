@@ -1,6 +1,6 @@
 """The paper's theory checked by exact enumeration on tabular autoregressive policies (spec §1, App. B).
 
-A tabular policy (dppo.theory) has a next-token distribution for every prefix of length < T over V tokens;
+A tabular policy (dppo.studies.theory) has a next-token distribution for every prefix of length < T over V tokens;
 with V ≤ 4 and T ≤ 4 every expectation is an exact sum over ≤ 256 sequences, in float64. Statements
 checked (µ = rollout policy, π = trained policy, r_t = π(y_t|s_t)/µ(y_t|s_t), ξ = max_y |R(y)|):
 
@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from dppo.divergence import binary_kl, binary_tv, full_kl, full_tv, topk_kl, topk_tv
-from dppo.theory import (
+from dppo.studies.theory import (
     TabularPolicy,
     expected_reward,
     expected_tv_sum,
@@ -107,7 +107,7 @@ def truncated_reward(reward: torch.Tensor, eos: int) -> torch.Tensor:
 
 
 def remainder_integrand(pi: TabularPolicy, mu: TabularPolicy) -> torch.Tensor:
-    """Σ_t (r_t − 1)(1 − Π_{j>t} r_j) per sequence, by a plain loop over t (independent of dppo.theory)."""
+    """Σ_t (r_t − 1)(1 − Π_{j>t} r_j) per sequence, by a plain loop over t (independent of dppo.studies.theory)."""
     r = token_log_ratios(pi, mu).exp()
     total = torch.zeros_like(r[0])
     for t in range(r.shape[0]):

@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from dppo.cli import main
-from dppo.config import ConfigError, replace
-from dppo.models import char_tokenizer, tiny_random_model
-from dppo.presets import get_preset
-from dppo.trainer import Trainer
+from dppo.train.config import ConfigError, replace
+from dppo.train.models import char_tokenizer, tiny_random_model
+from dppo.train.presets import get_preset
+from dppo.train.trainer import Trainer
 from dppo.trust_region import TRUST_REGIONS
 
 REWARD_SRC = '''
@@ -202,7 +202,7 @@ def test_eval_command_on_a_run(tmp_path, reward_file, capsys):
 def test_fused_optimizer_matches_the_reference_adamw():
     """make_optimizer's fused AdamW gives the per-parameter reference AdamW's update (clipped gradients, weight
     decay, several steps) to float32 rounding."""
-    from dppo.trainer import make_optimizer
+    from dppo.train.trainer import make_optimizer
 
     torch.manual_seed(0)
     a = [torch.randn(37, 11, requires_grad=True), torch.randn(5, requires_grad=True)]

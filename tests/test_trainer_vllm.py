@@ -26,11 +26,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dppo.config import replace
-from dppo.presets import get_preset
-from dppo.rollout import RolloutBatch, SamplingParams, collate
-from dppo.scoring import score_responses_reference
-from dppo.trainer import Trainer
+from dppo.train.config import replace
+from dppo.train.presets import get_preset
+from dppo.rollout import SamplingParams
+from dppo.train.batch import RolloutBatch, collate
+from dppo.train.scoring import score_responses_reference
+from dppo.train.trainer import Trainer
 
 pytestmark = [
     pytest.mark.vllm,

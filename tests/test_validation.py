@@ -3,7 +3,7 @@
 One table drives every bad input through a public entry point (`dppo.cli.main`, `Trainer`, `SamplingParams`,
 an engine's `generate`, `make_task`, `get_reward`) and checks the error type and that the message names the
 field, file, line or parameter at fault. The checkpoint tests write, truncate and interrupt checkpoints with
-`dppo.checkpoint` directly and through `Trainer` resume. Everything runs on the `smoke` preset and the tiny
+`dppo.train.checkpoint` directly and through `Trainer` resume. Everything runs on the `smoke` preset and the tiny
 models of conftest.py; one smoke run (two checkpoints) is shared by the module.
 """
 
@@ -20,16 +20,16 @@ import pytest
 import torch
 from torch import nn
 
-import dppo.checkpoint as ckpt_mod
-from dppo.checkpoint import MARKER, complete_checkpoints, load_latest, save_checkpoint
+import dppo.train.checkpoint as ckpt_mod
+from dppo.train.checkpoint import MARKER, complete_checkpoints, load_latest, save_checkpoint
 from dppo.cli import main
-from dppo.config import ConfigError, replace
-from dppo.presets import get_preset
+from dppo.train.config import ConfigError, replace
+from dppo.train.presets import get_preset
 from dppo.rewards import get_reward
 from dppo.rollout import make_engine
 from dppo.rollout.base import SamplingParams
 from dppo.tasks import make_task
-from dppo.trainer import Trainer
+from dppo.train.trainer import Trainer
 
 CLI = "cli"
 """Expected 'error type' of a CLI row: `main` returns 2 and its stderr error line matches the pattern."""

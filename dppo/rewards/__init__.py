@@ -36,7 +36,7 @@ from dppo.rewards.builtin import (
     math_verify_match,
     reasoning_gym_score,
 )
-from dppo.tasks.base import RewardFn
+from dppo.example import RewardFn
 
 if TYPE_CHECKING:
     from dppo.rewards.runner import RewardRunner

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from dppo.rewards.extract import answer_tag, extract_answer, last_number, numbers_equal
 
 if TYPE_CHECKING:
-    from dppo.tasks.base import Example
+    from dppo.example import Example
 
 
 def exact_match(completion: str, example: Example) -> float:

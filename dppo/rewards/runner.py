@@ -42,7 +42,7 @@ import torch
 
 from dppo.rewards import SPEC_ATTRIBUTE, default_isolation, get_reward
 from dppo.rewards.worker import Payload, score_item, warm_up
-from dppo.tasks.base import Example, RewardFn
+from dppo.example import Example, RewardFn
 
 ISOLATIONS = ("process", "thread", "none")
 MAX_ERRORS_KEPT = 8

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from dppo.rollout.base import Engine, Rollout, RolloutBatch, SamplingParams, collate
+from dppo.rollout.base import Engine, Rollout, SamplingParams
 
 ENGINES: dict[str, str] = {
     "hf": "dppo.rollout.hf:HFEngine",
@@ -30,4 +30,4 @@ def make_engine(name: str, *args, **kwargs) -> Engine:
     return engine_class(name)(*args, **kwargs)
 
 
-__all__ = ["ENGINES", "Engine", "Rollout", "RolloutBatch", "SamplingParams", "collate", "engine_class", "make_engine"]
+__all__ = ["ENGINES", "Engine", "Rollout", "SamplingParams", "engine_class", "make_engine"]

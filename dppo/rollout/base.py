@@ -9,10 +9,9 @@ trust-region anchor and the top-K cells for the Top-K divergences (Eqs. 15-16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
 
-import torch
 from torch import Tensor
 
 FinishReason = Literal["eos", "length", "stop"]
@@ -82,87 +81,6 @@ class Rollout:
     """[T, K+1] float32: µ's log-probs at topk_ids (0 where invalid)."""
     topk_valid: Tensor | None = None
     """[T, K+1] bool: True where the slot is used (first K always; the last only for an out-of-top-K token)."""
-
-
-@dataclass
-class RolloutBatch:
-    """Rollouts collated into right-padded [B, T] tensors (B = responses, T = longest response)."""
-
-    prompt_ids: list[Tensor]
-    """B tensors [P_i] int64 (unpadded: prompts differ in length; equal prompts are shared by reference)."""
-    prompt_index: Tensor
-    """[B] int64."""
-    response_ids: Tensor
-    """[B, T] int64, padded with `pad_id`."""
-    response_mask: Tensor
-    """[B, T] bool, True = real response token."""
-    rollout_logp: Tensor
-    """[B, T] float32, 0 at padding."""
-    finish_reason: list[str]
-    weight_version: Tensor
-    """[B] int64."""
-    topk_ids: Tensor | None = None
-    """[B, T, K+1] int64 or None."""
-    topk_logp: Tensor | None = None
-    """[B, T, K+1] float32 or None."""
-    topk_valid: Tensor | None = None
-    """[B, T, K+1] bool or None (False at padding)."""
-    extras: dict = field(default_factory=dict)
-
-    def to(self, device: torch.device | str) -> "RolloutBatch":
-        """A copy with every tensor on `device` (prompt id tensors stay where they are: they are small)."""
-        move = lambda t: t.to(device) if t is not None else None  # noqa: E731
-        return RolloutBatch(
-            prompt_ids=self.prompt_ids, prompt_index=self.prompt_index, response_ids=move(self.response_ids),
-            response_mask=move(self.response_mask), rollout_logp=move(self.rollout_logp),
-            finish_reason=self.finish_reason, weight_version=self.weight_version, topk_ids=move(self.topk_ids),
-            topk_logp=move(self.topk_logp), topk_valid=move(self.topk_valid), extras=self.extras,
-        )
-
-    @property
-    def response_lengths(self) -> Tensor:
-        """[B] int64."""
-        return self.response_mask.sum(-1)
-
-
-def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
-    """Right-pad a list of rollouts into a RolloutBatch. Top-K fields are kept only if every rollout has them."""
-    if not rollouts:
-        raise ValueError("rollouts: expected a non-empty list")
-    B = len(rollouts)
-    T = max(int(r.response_ids.numel()) for r in rollouts)
-    response_ids = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.bool)
-    logp = torch.zeros((B, T), dtype=torch.float32)
-    has_topk = all(r.topk_ids is not None for r in rollouts)
-    if has_topk:
-        S = rollouts[0].topk_ids.shape[-1]
-        if any(r.topk_ids.shape[-1] != S for r in rollouts):
-            raise ValueError("rollouts: top-K widths differ between rollouts")
-        topk_ids = torch.zeros((B, T, S), dtype=torch.long)
-        topk_logp = torch.zeros((B, T, S), dtype=torch.float32)
-        topk_valid = torch.zeros((B, T, S), dtype=torch.bool)
-    for i, r in enumerate(rollouts):
-        n = int(r.response_ids.numel())
-        response_ids[i, :n] = r.response_ids
-        mask[i, :n] = True
-        logp[i, :n] = r.rollout_logp
-        if has_topk:
-            topk_ids[i, :n] = r.topk_ids
-            topk_logp[i, :n] = r.topk_logp
-            topk_valid[i, :n] = r.topk_valid
-    return RolloutBatch(
-        prompt_ids=[r.prompt_ids for r in rollouts],
-        prompt_index=torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long),
-        response_ids=response_ids,
-        response_mask=mask,
-        rollout_logp=logp,
-        finish_reason=[r.finish_reason for r in rollouts],
-        weight_version=torch.tensor([r.weight_version for r in rollouts], dtype=torch.long),
-        topk_ids=topk_ids if has_topk else None,
-        topk_logp=topk_logp if has_topk else None,
-        topk_valid=topk_valid if has_topk else None,
-    )
 
 
 def prompt_token_ids(

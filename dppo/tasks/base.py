@@ -1,8 +1,7 @@
-"""The types every task returns, and the one split rule every task uses.
+"""A task's type, and the one split rule every task uses.
 
-An `Example` is one question: the prompt the rollout engine sees, the gold answer, whatever the scorer needs
-(`metadata`) and a stable `uid`. A `Task` holds a training list, a held-out evaluation list and the default
-reward for the task.
+A `Task` holds a training list, a held-out evaluation list of `dppo.example.Example`s and the default reward
+for the task (the shared types `Example`, `Prompt`, `RewardFn` live in `dppo.example` and are re-exported here).
 
 Held-out means disjoint by question: `split_distinct` de-duplicates a (seeded, deterministic) stream of
 candidate examples by uid, gives the first `eval_size` distinct questions to evaluation and the next `size`
@@ -11,64 +10,14 @@ same eval questions whatever the training size), and small question spaces (chai
 terms has 200 questions) are handled by taking what exists and refusing only when training would be left
 smaller than both `size` and the evaluation set.
 
-This module imports nothing heavy: reward worker processes unpickle `Example`s and import it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-Message = dict[str, str]
-"""A chat message: {"role": "system" | "user" | "assistant", "content": str}."""
-
-Prompt = str | tuple[Message, ...]
-"""Chat messages (the engine applies the tokenizer's chat template) or a raw string (tokenised as is)."""
-
-
-def prompt_text(prompt: Prompt) -> str:
-    """A canonical string for a prompt: the raw text, or the messages as sorted-key JSON."""
-    if isinstance(prompt, str):
-        return prompt
-    return json.dumps(list(prompt), sort_keys=True, ensure_ascii=False)
-
-
-def text_uid(namespace: str, text: str) -> str:
-    """A stable id for a question text: `namespace:` + 16 hex digits of its SHA-1."""
-    return f"{namespace}:{hashlib.sha1(text.encode('utf-8')).hexdigest()[:16]}"
-
-
-@dataclass(frozen=True)
-class Example:
-    """One verifiable question.
-
-    >>> Example(prompt="12+34=", answer="46").uid
-    'prompt:e851df52c28d1d2d'
-    """
-
-    prompt: Prompt
-    """Chat messages (tuple of {"role", "content"} dicts; the engine applies the chat template) or a raw
-    string (tokenised without a template)."""
-    answer: str
-    """The gold answer as text (a bare number for numeric tasks)."""
-    metadata: dict[str, Any] = field(default_factory=dict)
-    """Whatever the scorer needs (e.g. the reasoning-gym entry and its dataset config)."""
-    uid: str = ""
-    """Stable id of the question, used for de-duplication and disjoint splits. Empty: a hash of the prompt."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.prompt, str):
-            object.__setattr__(self, "prompt", tuple(self.prompt))
-        if not self.uid:
-            object.__setattr__(self, "uid", text_uid("prompt", prompt_text(self.prompt)))
-
-
-RewardFn = Callable[[str, Example], float]
-"""A reward: `fn(completion, example) -> float`, pure; see `dppo.rewards`."""
-
+from dppo.example import Example, Message, Prompt, RewardFn, prompt_text, text_uid
 
 @dataclass(frozen=True)
 class Task:
@@ -142,3 +91,6 @@ def split_distinct(
             f"(of {distinct} found, {size} requested); lower eval_size or widen the task's configuration"
         )
     return tuple(train), tuple(eval_examples)
+
+
+__all__ = ["Example", "Message", "Prompt", "RewardFn", "Task", "chat_prompt", "prompt_text", "split_distinct", "text_uid"]

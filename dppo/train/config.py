@@ -4,7 +4,7 @@ Each field's docstring is its `--help` text. Every default lives here, once; `__
 each section so an invalid value fails at parse time naming the field (e.g. `loss.delta_high`), and
 `Config.__post_init__` checks the combinations across sections (Top-K trust region without top-K capture,
 mini-batches that don't divide the batch, G = 1 with a group advantage, ...). Presets live in
-`dppo/presets.py`.
+`dppo/train/presets.py`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class RolloutConfig:
     """The inference engine that samples the responses (the rollout policy µ)."""
 
     engine: Literal["auto", "hf", "vllm"] = "auto"
-    """auto = the faster engine for the hardware and engine dtype (dppo.hardware.resolve_engine): vllm on CUDA
+    """auto = the faster engine for the hardware and engine dtype (dppo.train.hardware.resolve_engine): vllm on CUDA
     and on CPUs in bf16; hf on CPUs in float32 (it shares each prompt's prefix across its G samples). vllm
     only when importable."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -298,7 +298,7 @@ class TrainConfig:
     """Stop the run with an error after this many optimiser steps in a row were skipped for a non-finite loss
     or gradient (a single skipped step is counted in optim/skipped_steps_total and training goes on)."""
     scoring_layout: Literal["auto", "packed", "shared"] = "auto"
-    """How the trainer's forward lays out a micro-batch (dppo.scoring): packed = one row per prompt with its
+    """How the trainer's forward lays out a micro-batch (dppo.train.scoring): packed = one row per prompt with its
     responses behind it, no padding; shared = prompts once with a KV cache, responses padded on top; auto =
     the cheaper by a FLOP estimate (packed under gradient checkpointing or FSDP2 with checkpointing, shared
     under FSDP2 otherwise: every rank must run the same number of decoder calls)."""

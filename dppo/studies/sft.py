@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dppo.scoring import score_responses
+from dppo.train.scoring import score_responses
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:

@@ -1,7 +1,7 @@
 """`run_diagnose`: measure the training–inference mismatch of a model end to end (paper Fig. 2, spec §9).
 
 Samples responses to a task's prompts with an inference engine (e.g. vLLM in bf16), recomputes log π of the
-same tokens with the trainer's model in fp32 (`dppo.scoring.score_responses`, µ's top-K cells included), and
+same tokens with the trainer's model in fp32 (`dppo.train.scoring.score_responses`, µ's top-K cells included), and
 writes `mismatch_report` as `diagnose.json` plus two PNGs (`ratio_vs_tv.png`, `histograms.png`).
 
 Identical weights: when the engine runs in a lower precision than the fp32 trainer, the trainer's weights are
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from dppo.diagnostics.mismatch import DEFAULT_BUCKETS, mismatch_report, token_metrics
-from dppo.diagnostics.plots import plot_histograms, plot_ratio_vs_tv
+from dppo.studies.diagnose.mismatch import DEFAULT_BUCKETS, mismatch_report, token_metrics
+from dppo.studies.diagnose.plots import plot_histograms, plot_ratio_vs_tv
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,12 +52,12 @@ def _round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _make_engine(name: str, model, tokenizer, path: Path, dtype: str, seed: int, top_k: int):
-    """The engine, built the way `dppo.build.build_engine` does, holding the trainer's weights."""
+    """The engine, built the way `dppo.train.build.build_engine` does, holding the trainer's weights."""
     from dppo.rollout import make_engine
 
     if name == "hf":
         return make_engine("hf", model, tokenizer, dtype=_DTYPES[dtype], seed=seed)
-    from dppo.config import RolloutConfig
+    from dppo.train.config import RolloutConfig
 
     defaults = RolloutConfig()
     extra = ({"gpu_memory_utilization": defaults.vllm_gpu_memory_utilization} if torch.cuda.is_available()
@@ -85,19 +85,20 @@ def run_diagnose(
 ) -> dict:
     """Sample with the engine, recompute π in fp32 on the same tokens, report the mismatch by µ bucket.
 
-    model: a built-in name (`dppo.models.BUILTIN_MODELS`) or a local model folder. engine: "hf", "vllm" or
-    "auto" (`dppo.hardware.resolve_engine`: vLLM when installed, except hf on a CPU in float32). engine_dtype: the engine's dtype ("bfloat16", "float16", "float32"; the
+    model: a built-in name (`dppo.train.models.BUILTIN_MODELS`) or a local model folder. engine: "hf", "vllm" or
+    "auto" (`dppo.train.hardware.resolve_engine`: vLLM when installed, except hf on a CPU in float32). engine_dtype: the engine's dtype ("bfloat16", "float16", "float32"; the
     trainer is always float32). task / task_options: a `dppo.tasks.make_task` name and its options; the first
     `n_prompts` training questions are used, `n` responses each. top_k: µ's top-K recorded by the engine
     (0 = none: no Top-K metrics). Writes `out_dir/diagnose.json`, `ratio_vs_tv.png` and `histograms.png`;
     returns the report (`mismatch_report`'s dict plus "config", "timing_s" and "files").
     """
-    from dppo import models
-    from dppo.build import resolve_device
-    from dppo.hardware import resolve_engine
-    from dppo.rollout import SamplingParams, collate
-    from dppo.scoring import score_responses
-    from dppo.trainer import engine_prompts
+    from dppo.train import models
+    from dppo.train.build import resolve_device
+    from dppo.train.hardware import resolve_engine
+    from dppo.rollout import SamplingParams
+    from dppo.train.batch import collate
+    from dppo.train.scoring import score_responses
+    from dppo.train.evaluation import engine_prompts
 
     if engine_dtype not in _DTYPES:
         raise ValueError(f"engine_dtype: expected one of {', '.join(_DTYPES)}, got {engine_dtype!r}")

@@ -6,13 +6,12 @@ Also the two weight helpers the trainer needs: `trainable_state` (what a checkpo
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from dppo.config import Config
+from dppo.train.config import Config
 from dppo.trust_region import DEFAULT_TOP_K
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -64,7 +63,7 @@ def build_reward_runner(cfg: Config, task):
 def build_model(cfg: Config, run_dir: Path):
     """The policy (trainable, in train mode), its tokenizer, and a folder holding its initial weights
     (for path-based engines; None unless one is needed)."""
-    from dppo import models
+    from dppo.train import models
 
     m = cfg.model
     dtype = _DTYPES[m.dtype]
@@ -97,7 +96,7 @@ def build_model(cfg: Config, run_dir: Path):
 
 
 def scoring_layout(cfg: Config, *, sharded: bool) -> str:
-    """The scoring layout (`dppo.scoring`) for this run: train.scoring_layout, or for "auto": "packed" under
+    """The scoring layout (`dppo.train.scoring`) for this run: train.scoring_layout, or for "auto": "packed" under
     gradient checkpointing (the "shared" layout needs the prompts' KV cache, which checkpointed layers drop),
     "shared" under FSDP2 (FSDP2 gathers a layer's weights at each call, so every rank must make the same number
     of decoder calls, which a per-rank "auto" choice would not guarantee), else "auto" (chosen per call)."""
@@ -113,7 +112,7 @@ def build_scorer(cfg: Config, model: nn.Module, dist) -> nn.Module:
     """What the trainer calls to score: `ScoringModule(model)` with this run's layout, wrapped by DDP or FSDP2
     under torchrun. FSDP2 shards `model`'s parameters in place (they become DTensors): `fully_shard` per
     decoder layer, then the root; DDP leaves `model` as it is."""
-    from dppo.scoring import ScoringModule, packed_layout_supported
+    from dppo.train.scoring import ScoringModule, packed_layout_supported
 
     layout = scoring_layout(cfg, sharded=dist.sharded)
     if layout == "packed" and not packed_layout_supported(model):
@@ -130,7 +129,7 @@ def build_scorer(cfg: Config, model: nn.Module, dist) -> nn.Module:
         return DistributedDataParallel(scorer, device_ids=ids)
     from torch.distributed.fsdp import fully_shard
 
-    from dppo.distributed import decoder_layers
+    from dppo.train.distributed import decoder_layers
 
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dist.device_mesh())
@@ -147,10 +146,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_rollout(cfg: Config) -> tuple["hardware.Choice", "hardware.Choice", str | None]:
+def resolve_rollout(cfg: Config) -> tuple:
     """(engine, engine dtype, warning or None) for this machine: `rollout.engine/dtype: auto` resolved by
-    `dppo.hardware`, each with its reason."""
-    from dppo import hardware
+    `dppo.train.hardware`, each with its reason."""
+    from dppo.train import hardware
 
     device = resolve_device(cfg.model.device)
     dtype, warning = hardware.resolve_dtype(cfg.rollout.dtype, device)
@@ -162,7 +161,7 @@ def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | No
     """The rollout engine, holding a copy of `model`'s weights. seed_offset: added to the engine's seed (the
     rank in a multi-process run, so that ranks sample different responses). announce: called with the line
     that says which engine and dtype were chosen and why (and with the emulated-bf16 warning)."""
-    from dppo.hardware import describe
+    from dppo.train.hardware import describe
     from dppo.rollout import make_engine
 
     r = cfg.rollout
@@ -228,5 +227,12 @@ def merged_model_copy(model: nn.Module) -> nn.Module:
     return copied.merge_and_unload() if hasattr(copied, "get_base_model") else copied
 
 
-def sync_weights(engine, model: nn.Module) -> None:
+def sync_weights(engine, model: nn.Module, dist=None) -> None:
+    """Push the trainer's weights (LoRA merged) into the engine; under FSDP2 (`dist.sharded`) every rank gathers
+    the full weights once (a collective) and loads them into its own engine."""
+    if dist is not None and dist.sharded:
+        from dppo.train.checkpoint import full_state
+
+        engine.load_weights(full_state(dist, model, trainable_only=False, rank0_only=False))
+        return
     engine.load_weights(merged_state_dict(model) if hasattr(model, "get_base_model") else model)

@@ -4,12 +4,12 @@
                 [--lr 3e-4] [--prompts-per-step 32] [--group-size 8] [--mini-batches 4]
                 [--engine-dtype bfloat16|float32] [--logit-noise SIGMA] [--out-dir runs/sanity-<timestamp>] [--quick]
 
-Set-up: a tiny character-level Qwen2 is warm-started by supervised training (`dppo.sft`) on the built-in
+Set-up: a tiny character-level Qwen2 is warm-started by supervised training (`dppo.studies.sft`) on the built-in
 `addition` task to a low but nonzero accuracy, saved once (cached by its arguments), and every (method, seed)
 run starts from that identical folder. Rollouts are sampled by the HF engine in **bf16** (`--engine-dtype`)
 while the trainer holds **fp32** weights (a real training–inference mismatch), and every rollout batch is split
 into `mini_batches` (default 4) optimiser steps, so later mini-batches are off-policy. All methods get the same
-lr, batch and steps; only the `loss` section differs, taken from the method presets of `dppo.presets`.
+lr, batch and steps; only the `loss` section differs, taken from the method presets of `dppo.train.presets`.
 
 Methods: a preset name (`SANITY_METHODS`), optionally with loss-field overrides, e.g. `dppo-binary-tv:delta=0.1`
 (`delta` sets δ_low and δ_high, `eps` sets ε_low and ε_high, any other `LossConfig` field by name), or a group
@@ -53,10 +53,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from dppo.config import Config, ConfigError, LossConfig, replace
-from dppo.plot import save_figure
-from dppo.presets import PRESETS
-from dppo.trainer import Trainer
+from dppo.train.config import Config, ConfigError, LossConfig, replace
+from dppo.train.plot import save_figure
+from dppo.train.presets import PRESETS
+from dppo.train.trainer import Trainer
 
 SANITY_METHOD_NAMES = ("pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl",
                        "dppo-topk-tv", "dppo-topk-kl", "dppo-recompute")
@@ -71,7 +71,6 @@ METHOD_GROUPS: dict[str, tuple[str, ...]] = {
               "dppo-binary-kl", "dppo-binary-kl:delta=0.1", "dppo-binary-kl:delta=0.15"),
 }
 """Names usable in `--methods` for a list of methods."""
-TOPK = 20
 WINDOW = 5  # steps averaged for "final" values and the running peak
 COLLAPSE_RATIO = 0.5
 COLLAPSE_ZERO_ADV_STEPS = 5
@@ -93,8 +92,8 @@ def _loss_overrides(preset: str) -> dict[str, Any]:
 
 SANITY_METHODS: dict[str, dict[str, Any]] = {name: _loss_overrides(name)
                                              for name in SANITY_METHOD_NAMES + RELAX_METHOD_NAMES}
-"""Method name -> `loss` section overrides (from `dppo.presets`). Top-K methods also get
-rollout.top_k_logprobs = 20 in `sanity_config`."""
+"""Method name -> `loss` section overrides (from `dppo.train.presets`). Top-K methods record µ's top-20 (the registry's
+`needs_topk`, resolved by `Config.top_k_logprobs`)."""
 
 _SHORTHANDS = {"delta": ("delta_low", "delta_high"), "eps": ("eps_low", "eps_high")}
 
@@ -135,10 +134,6 @@ def expand_methods(names: Sequence[str]) -> list[str]:
             if m not in out:
                 out.append(m)
     return out
-
-
-def _needs_topk(method: str) -> bool:
-    return method_loss(method)["trust_region"].startswith("dppo_topk")
 
 
 def _run_name(method: str) -> str:
@@ -209,8 +204,8 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers:
                task_seed: int = 0) -> Path:
     """A supervised warm start of a tiny char-level Qwen2 (head size 32) on `addition`, saved to
     `out_dir/warm-<hash of the arguments>/` and reused when that folder already holds a model."""
-    from dppo.models import char_tokenizer, save_model, tiny_random_model
-    from dppo.sft import sft_warm_start
+    from dppo.train.models import char_tokenizer, save_model, tiny_random_model
+    from dppo.studies.sft import sft_warm_start
     from dppo.tasks import make_task
 
     args = dict(seed=seed, hidden=hidden, layers=layers, sft_steps=sft_steps, digits=digits, size=size,
@@ -249,7 +244,7 @@ def sanity_config(model_dir: str | Path, run_dir: str | Path, method: str, seed:
         Config(),
         model={"name": str(model_dir), "dtype": "float32"},
         rollout={"engine": "hf", "dtype": engine_dtype, "prompts_per_step": prompts_per_step, "group_size": group_size,
-                 "max_new_tokens": max_new_tokens, "top_k_logprobs": TOPK if _needs_topk(method) else 0},
+                 "max_new_tokens": max_new_tokens},  # top-K: recorded where the region needs it
         task={"name": "addition", "options": json.dumps({"digits": digits}), "size": size, "eval_size": eval_size,
               "seed": task_seed},
         loss=loss,
@@ -420,7 +415,7 @@ def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path
     The warm start is one model (seed `warm_seed`) shared by all runs; `seeds` vary the RL run (sampling, data
     order, mini-batch split, logit noise). `methods` are specs or group names (`expand_methods`);
     `engine_dtype` and `logit_noise` set the rollout-side mismatch (see the module docstring)."""
-    from dppo.plot import read_metrics
+    from dppo.train.plot import read_metrics
 
     methods = expand_methods(methods)
     if not methods or not seeds:

@@ -25,18 +25,20 @@ import torch
 from torch import Tensor
 
 from dppo.advantages import compute_advantages
-from dppo.checkpoint import load_latest, set_rng_state
-from dppo.config import Config
+from dppo.train.checkpoint import load_latest, load_optimizer, save_training_checkpoint, set_rng_state
+from dppo.train.config import Config
 from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
-from dppo.faults import fault_point
-from dppo.logger import RunLogger
+from dppo.train.faults import fault_point
+from dppo.train.logger import RunLogger
 from dppo.rewards.runner import NonFiniteRewardError
 from dppo.losses import LOSSES, aggregation_denominator
-from dppo.rollout.base import RolloutBatch, SamplingParams, collate
-from dppo.build import build_engine, build_model, build_reward_runner, build_scorer, build_task, resolve_device, trainable_state
-from dppo.scoring import Scores
+from dppo.rollout.base import SamplingParams
+from dppo.train.batch import RolloutBatch, collate
+from dppo.train.build import build_engine, build_model, build_reward_runner, build_scorer, build_task, resolve_device, sync_weights
+from dppo.train.evaluation import decode_responses, engine_prompts, evaluate, load_checkpoint_weights
+from dppo.train.scoring import Scores
 from dppo.trust_region import TRUST_REGIONS
-from dppo.distributed import Dist, init_from_env, local_tensor
+from dppo.train.distributed import init_from_env, local_tensor
 
 SKIP_WARN_EVERY = 10  # a skipped optimiser step is announced when a streak starts and then every 10th skip
 MU_BUCKETS = (1e-3, 1e-2, 1e-1, 0.5)  # edges of the µ(a_t) buckets for "where are masked tokens"
@@ -157,7 +159,7 @@ class Trainer:
         if resume:
             self._restore()
         if resume:
-            self.dist.sync_engine(self.engine, self.model)
+            sync_weights(self.engine, self.model, self.dist)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id] if i is not None}))
         self.logger = RunLogger(self.run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
@@ -225,7 +227,7 @@ class Trainer:
         with timer.time("training"):
             update_stats = self._update(batch, adv, old, timer)
         with timer.time("sync"):
-            self.dist.sync_engine(self.engine, self.model)
+            sync_weights(self.engine, self.model, self.dist)
         self.step_idx += 1
         with timer.time("metrics"):
             self.logger.log_samples(self.step_idx, self._samples(completions, rewards, batch, examples))
@@ -424,12 +426,12 @@ class Trainer:
 
     def save(self) -> Path:
         state = {"sampler_position": self.sampler.position, "skipped_steps": self.skipped_steps}
-        return self.dist.save_checkpoint(self.run_dir, self.step_idx, model=self.model, optimizer=self.optimizer,
+        return save_training_checkpoint(self.dist, self.run_dir, self.step_idx, model=self.model, optimizer=self.optimizer,
                                          scheduler=self.scheduler, trainer_state=state,
                                          keep=self.cfg.train.keep_checkpoints)  # under torchrun: rank 0 writes
 
     def _restore(self) -> None:
-        from dppo.checkpoint import complete_checkpoints
+        from dppo.train.checkpoint import complete_checkpoints
 
         found = load_latest(self.run_dir)
         if found is None:
@@ -438,7 +440,7 @@ class Trainer:
             raise ValueError(f"--resume: {why} under {self.run_dir / 'checkpoints'}")
         path, ckpt = found
         load_checkpoint_weights(self.model, ckpt["weights"], path, flag="--resume", dist=self.dist)
-        self.dist.load_optimizer(self.model, self.optimizer, ckpt["optimizer"])
+        load_optimizer(self.dist, self.model, self.optimizer, ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
         st = ckpt["trainer_state"]
         self.step_idx = int(st["step"])
@@ -464,69 +466,6 @@ def make_optimizer(params: list[Tensor], **hyper) -> torch.optim.AdamW:
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and not isinstance(p, DTensor) for p in params)
     return torch.optim.AdamW(params, fused=fused or None, **hyper)
-
-
-def load_checkpoint_weights(model, weights: dict[str, Tensor], path: Path, *, flag: str, dist: Dist | None = None) -> None:
-    """Load a checkpoint's trainable weights into `model` after comparing names and shapes (a mismatch would
-    otherwise be a RuntimeError from torch); ValueError naming the checkpoint and `flag` on any mismatch."""
-    own = model.state_dict()
-    unexpected = sorted(set(weights) - set(own))
-    missing = sorted(set(trainable_state(model)) - set(weights))
-    shapes = [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in sorted(set(weights) & set(own))
-              if weights[k].shape != own[k].shape]
-    if unexpected or missing or shapes:
-        raise ValueError(f"{flag}: checkpoint {path} does not match the model (a different model or model.* "
-                         f"settings?): unexpected {unexpected[:3]}, missing {missing[:3]}, shape mismatch {shapes[:3]}")
-    (dist or Dist()).load_full_state(model, weights)
-
-
-def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
-    """The response texts of a (CPU) batch, padding and special tokens dropped."""
-    ids = [row[:n].tolist() for row, n in zip(batch.response_ids, batch.response_lengths.tolist())]
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
-
-
-def engine_prompts(examples, tokenizer) -> list:
-    """What the engine takes: chat messages as they are, raw-text prompts as token ids (no template)."""
-    return [list(tokenizer.encode(ex.prompt, add_special_tokens=False)) if isinstance(ex.prompt, str) else list(ex.prompt)
-            for ex in examples]
-
-
-def evaluate(engine, tokenizer, reward_runner, examples, params: SamplingParams, *, pad_id: int) -> dict[str, float]:
-    """params.n sampled responses per example: pass@1 (reward >= 1) and mean reward over all of them."""
-    if not examples:
-        raise ValueError("examples: the evaluation set is empty")
-    batch = collate(engine.generate(engine_prompts(examples, tokenizer), params), pad_id=pad_id)
-    completions = decode_responses(batch, tokenizer)
-    rewards, _ = reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
-    return {"pass@1": float((rewards >= 1.0 - 1e-6).float().mean()), "reward_mean": float(rewards.mean()),
-            "n": len(examples) * params.n, "temperature": params.temperature,
-            "response_length": float(batch.response_lengths.float().mean())}
-
-
-def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:
-    """Evaluate the base model of `cfg`, or the newest checkpoint of `run_dir`, on the task's held-out split."""
-    task = build_task(cfg)
-    runner = build_reward_runner(cfg, task)
-    model, tokenizer, path = build_model(cfg, Path(cfg.log.run_dir or "."))
-    source = "base model"
-    if run_dir is not None:
-        found = load_latest(run_dir)
-        if found is None:
-            raise ValueError(f"--run-dir: no complete checkpoint under {run_dir / 'checkpoints'}")
-        source, ckpt = str(found[0]), found[1]
-        load_checkpoint_weights(model, ckpt["weights"], found[0], flag="--run-dir")
-    engine = build_engine(cfg, model, tokenizer, path)
-    try:
-        temp = cfg.train.eval_temperature or cfg.rollout.temperature
-        eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
-        params = SamplingParams(n=cfg.train.eval_samples_per_prompt, temperature=temp, max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=eos,
-                                seed=cfg.train.seed)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return {"source": source, "task": cfg.task.name,
-                **evaluate(engine, tokenizer, runner, list(task.eval), params, pad_id=pad)}
-    finally:
-        getattr(engine, "close", lambda: None)()
 
 
 class _Accumulator:

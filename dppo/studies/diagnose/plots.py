@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dppo.plot import save_figure
+from dppo.train.plot import save_figure
 
 _LINTHRESH = {"ratio_minus_1": 1e-2, "prob_diff": 1e-5}
 """Linear range around 0 of each symlog y axis (below it, differences are drawn linearly)."""

@@ -7,6 +7,10 @@ without the marker (a write killed midway) is never loaded. Contents:
 - `model.safetensors`: the trainable weights (the full model, or only the LoRA adapter's tensors),
 - `optimizer.pt`, `scheduler.pt`: state dicts, loaded with `torch.load(weights_only=True)`,
 - `trainer_state.json`: step, data-sampler position, RNG states (Python, NumPy, torch) as JSON/base64.
+
+Under torchrun (`dppo.train.distributed.Dist`) the weights and optimizer state are gathered to full (unsharded) tensors
+and written by rank 0 in the single-process format (`save_training_checkpoint`), so any world size and either
+strategy can resume from any checkpoint; `load_full_state` / `load_optimizer` put them back into FSDP2 shards.
 """
 
 from __future__ import annotations
@@ -17,13 +21,17 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch import Tensor, nn
 from safetensors.torch import load_file, save_file
 
-from dppo.faults import fault_point
+from dppo.train.faults import fault_point
+
+if TYPE_CHECKING:
+    from dppo.train.distributed import Dist
 
 MARKER = "COMPLETE"
 
@@ -145,3 +153,79 @@ def load_latest(run_dir: str | Path, *, warn=print) -> tuple[Path, dict[str, Any
         except CheckpointError as exc:
             warn(f"[dppo] skipping {exc}")
     return None
+
+
+# ---------------------------------------------------------------------------------------------- under torchrun
+def full_state(dist: Dist, model: nn.Module, *, trainable_only: bool, rank0_only: bool) -> dict[str, Tensor]:
+    """The full (unsharded) weights with HF names. FSDP2: a collective; with rank0_only the tensors are
+    gathered to CPU on rank 0 only (others get {}), else every rank gets them on its device."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad] if trainable_only else None
+    if not dist.sharded:
+        if trainable_only:
+            return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
+    return {k: v for k, v in state.items() if names is None or k in names}
+
+
+def load_full_state(dist: Dist, model: nn.Module, weights: dict[str, Tensor]) -> None:
+    """Load full (unsharded) weights, a subset allowed, into the model (FSDP2: into its shards)."""
+    if not dist.sharded:
+        model.load_state_dict(weights, strict=False)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def optimizer_state(dist: Dist, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict in the single-process format (parameter indices), full on rank 0."""
+    if not dist.sharded:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    by_name = get_optimizer_state_dict(model, optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dist.is_main:
+        return {}
+    index = {n: i for i, n in enumerate(trainable_names(model))}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
+    return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
+
+
+def load_optimizer(dist: Dist, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    if not dist.sharded:
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = trainable_names(model)
+    by_name = {"state": {names[int(i)]: s for i, s in state["state"].items()},
+               "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def save_training_checkpoint(dist: Dist, run_dir: Path, step: int, *, model, optimizer, scheduler, trainer_state: dict,
+                    keep: int) -> Path:
+    """Gather the full state on every rank (collective), write it on rank 0, agree on the outcome."""
+    weights = full_state(dist, model, trainable_only=True, rank0_only=True)
+    optim_state = optimizer_state(dist, model, optimizer)
+    if not dist.enabled:
+        return save_checkpoint(run_dir, step, weights=weights, optimizer=optim_state, scheduler=scheduler,
+                               trainer_state=trainer_state, keep=keep)
+    failure = None
+    if dist.is_main:
+        try:
+            save_checkpoint(run_dir, step, weights=weights, optimizer=optim_state, scheduler=scheduler,
+                            trainer_state=trainer_state, keep=keep)
+        except Exception as exc:  # noqa: BLE001 - surfaced on every rank by agree()
+            failure = exc
+    dist.agree(failure)
+    return checkpoint_path(run_dir, step)
+
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]

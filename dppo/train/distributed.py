@@ -16,9 +16,9 @@ How a step is split (the gradient equals the single-process gradient of the same
 
 The model is trained through `ScoringModule` (`score_responses` as a forward), wrapped by DDP or FSDP2
 (`fully_shard` per decoder layer, then the root). A failure (or a skipped step) on one rank is agreed by all ranks
-(`Dist.agree`) so they never diverge in their number of collectives. Checkpoints: rank 0 writes the full
-(unsharded) weights and optimizer state in the single-process format, so any world size and either strategy can
-resume from any checkpoint; every rank reads the checkpoint folder on resume (a shared filesystem for multi-node).
+(`Dist.agree`) so they never diverge in their number of collectives. `Dist` holds the collectives only: the
+scorer is wrapped in `dppo.train.build.build_scorer`, checkpoints are gathered and written in `dppo.train.checkpoint`
+(rank 0 writes the full state; every rank reads the folder on resume: a shared filesystem for multi-node).
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ import datetime
 import hashlib
 import json
 import os
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dppo.config import Config, ConfigError
+from dppo.train.config import Config, ConfigError
 
 STRATEGIES = ("ddp", "fsdp2")
 
@@ -279,83 +278,6 @@ class Dist:
         out["n"] = n
         return out
 
-    # ------------------------------------------------------------------ weights
-    def full_state(self, model: nn.Module, *, trainable_only: bool, rank0_only: bool) -> dict[str, Tensor]:
-        """The full (unsharded) weights with HF names. FSDP2: a collective; with rank0_only the tensors are
-        gathered to CPU on rank 0 only (others get {}), else every rank gets them on its device."""
-        names = [n for n, p in model.named_parameters() if p.requires_grad] if trainable_only else None
-        if not self.sharded:
-            if trainable_only:
-                return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-            return {k: v.detach() for k, v in model.state_dict().items()}
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
-        return {k: v for k, v in state.items() if names is None or k in names}
-
-    def sync_engine(self, engine, model: nn.Module) -> None:
-        """Push the trainer's weights into this rank's engine (FSDP2: every rank gathers the full weights once)."""
-        from dppo.build import sync_weights
-
-        if not self.sharded:
-            sync_weights(engine, model)
-            return
-        engine.load_weights(self.full_state(model, trainable_only=False, rank0_only=False))
-
-    def load_full_state(self, model: nn.Module, weights: dict[str, Tensor]) -> None:
-        """Load full (unsharded) weights, a subset allowed, into the model (FSDP2: into its shards)."""
-        if not self.sharded:
-            model.load_state_dict(weights, strict=False)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-
-    def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer's state dict in the single-process format (parameter indices), full on rank 0."""
-        if not self.sharded:
-            return optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        by_name = get_optimizer_state_dict(model, optimizer,
-                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not self.is_main:
-            return {}
-        index = {n: i for i, n in enumerate(_trainable_names(model))}
-        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
-        return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
-
-    def load_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        if not self.sharded:
-            optimizer.load_state_dict(state)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        names = _trainable_names(model)
-        by_name = {"state": {names[int(i)]: s for i, s in state["state"].items()},
-                   "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]]}
-        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
-
-    def save_checkpoint(self, run_dir: Path, step: int, *, model, optimizer, scheduler, trainer_state: dict,
-                        keep: int) -> Path:
-        """Gather the full state on every rank (collective), write it on rank 0, agree on the outcome."""
-        from dppo.checkpoint import checkpoint_path, save_checkpoint
-
-        weights = self.full_state(model, trainable_only=True, rank0_only=True)
-        optim_state = self.optimizer_state(model, optimizer)
-        if not self.enabled:
-            return save_checkpoint(run_dir, step, weights=weights, optimizer=optim_state, scheduler=scheduler,
-                                   trainer_state=trainer_state, keep=keep)
-        failure = None
-        if self.is_main:
-            try:
-                save_checkpoint(run_dir, step, weights=weights, optimizer=optim_state, scheduler=scheduler,
-                                trainer_state=trainer_state, keep=keep)
-            except Exception as exc:  # noqa: BLE001 - surfaced on every rank by agree()
-                failure = exc
-        self.agree(failure)
-        return checkpoint_path(run_dir, step)
-
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -373,10 +295,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     if not layers:
         raise ValueError(f"model: no decoder layers found for FSDP2 (classes {sorted(names)}); use train.distributed=ddp")
     return layers
-
-
-def _trainable_names(model: nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
 def _local(t: Tensor) -> Tensor:
