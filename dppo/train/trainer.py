@@ -216,12 +216,13 @@ class Trainer:
                 completions = decode_responses(cpu_batch, self.tokenizer)
                 rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
                 rewards = rewards.to(self.device)
-                adv, adv_stats = self._advantages(rewards)
         except Exception as exc:  # noqa: BLE001 - agreed below: raised on every rank (one process: re-raised)
             failure = exc
         skip = self.dist.agree(failure, skip=NonFiniteRewardError)
         if skip is not None:  # a broken reward (on any rank): no update from this batch
             return self._skip_step(skip, t_start)
+        with timer.time("reward"):  # after the agreement: under torchrun a collective (the global batch's rewards)
+            adv, adv_stats = self._advantages(rewards)
         with timer.time("recompute"):
             old = self._recompute(batch) if cfg.loss.anchor == "recompute" else None
         with timer.time("training"):
