@@ -10,6 +10,7 @@ Tests run torch on one thread (override with DPPO_TEST_THREADS): the models are 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 
 import pytest
@@ -25,6 +26,15 @@ torch.set_num_threads(int(os.environ.get("DPPO_TEST_THREADS", "1")))
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+VLLM_MARKS = [
+    pytest.mark.vllm,
+    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),  # vLLM import
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not installed (scripts/ensure-venv.sh installs it; DPPO_SKIP_VLLM=1 skips)"),
+]
+"""The marks of a module that needs vLLM (`pytestmark = VLLM_MARKS`)."""
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, initializer_range=0.2)
 """The test model: ~80k parameters; initializer_range 0.2 makes next-token distributions peaked enough

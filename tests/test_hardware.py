@@ -127,3 +127,14 @@ def test_gradient_checkpointing_picks_the_packed_layout_and_refuses_shared():
     assert scoring_layout(get_preset("smoke"), sharded=True) == "shared"
     with pytest.raises(ConfigError, match=r"^train\.scoring_layout: 'shared' needs the prompts' KV cache"):
         replace(cfg, train={"scoring_layout": "shared"})
+
+
+def test_a_config_written_before_the_registry_fields_still_loads():
+    # tests/data/config_before_registry.yaml: the dppo-topk-kl preset as the code before the trust-region registry
+    # carried its parameters (and before rollout.dtype/engine auto) wrote it to a run's config.yaml.
+    from pathlib import Path
+
+    cfg = Config.load(Path(__file__).parent / "data" / "config_before_registry.yaml")
+    assert cfg.loss.trust_region == "dppo_topk_kl" and cfg.loss.relax_side == "both" and cfg.loss.cppo_q is None
+    assert cfg.rollout.dtype == "bfloat16" and cfg.top_k_logprobs == 20
+    assert cfg.train.scoring_layout == "auto" and cfg.rollout.hf_max_batch_rows == 0

@@ -13,19 +13,14 @@ import json
 import math
 
 import pytest
+from conftest import VLLM_MARKS
 import torch
 
 from dppo.rollout import Engine, SamplingParams, make_engine
 from dppo.train.batch import collate
 from dppo.rollout.base import Rollout
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),  # vLLM import
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm is not installed (scripts/ensure-venv.sh installs it; DPPO_SKIP_VLLM=1 skips)"),
-]
+pytestmark = VLLM_MARKS
 
 VLLM_TINY = dict(num_heads=2, num_kv_heads=1)
 """Overrides of conftest's tiny model: head size 64 / 2 = 32, the smallest vLLM's CPU attention supports."""

@@ -18,12 +18,12 @@ The model is `tiny_hidden = 64`: 2 heads of 32, the smallest head size vLLM's CP
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 from dataclasses import dataclass
 
 import pytest
+from conftest import VLLM_MARKS
 import torch
 
 from dppo.train.config import replace
@@ -33,13 +33,7 @@ from dppo.train.batch import RolloutBatch, collate
 from dppo.train.scoring import score_responses_reference
 from dppo.train.trainer import Trainer
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),  # vLLM import
-    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vllm is not installed (scripts/ensure-venv.sh installs it; DPPO_SKIP_VLLM=1 skips)"),
-]
+pytestmark = VLLM_MARKS
 
 ATOL = 1e-4
 """|µ − π| in log-probs on identical fp32 weights (see the module docstring for why 1e-4). Also the bound on the
