@@ -177,7 +177,7 @@ def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | No
         if top_k > engine.max_logprobs:  # fail at start-up, not at the first generate
             raise ValueError(f"rollout.top_k_logprobs: {top_k} exceeds the hf engine's max_logprobs "
                              f"{engine.max_logprobs} (the vocabulary size)")
-        return engine
+        return _quantized(cfg, engine, model)
     # vLLM loads from a folder: the built-in's folder when the weights are untouched, else the engine saves
     # the (merged) module to a temporary folder itself. Either way the trainer's weights are synced in.
     source = model_path if model_path is not None and not cfg.model.lora_rank else merged_model_copy(model)
@@ -186,6 +186,18 @@ def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | No
              else {"kv_cache_gb": r.vllm_kv_cache_gb})
     engine = make_engine("vllm", source, tokenizer, dtype=dtype, seed=cfg.train.seed + seed_offset,
                          max_logprobs=max(DEFAULT_TOP_K, top_k), **extra)
+    if cfg.rollout.quantization == "none":
+        sync_weights(engine, model)
+    return _quantized(cfg, engine, model)
+
+
+def _quantized(cfg: Config, engine, model: nn.Module):
+    """The engine itself, or with rollout.quantization fp8 a `QuantizedEngine` holding the quantised weights."""
+    if cfg.rollout.quantization == "none":
+        return engine
+    from dppo.rollout.quantize import QuantizedEngine
+
+    engine = QuantizedEngine(engine, activations=cfg.rollout.fp8_activations)
     sync_weights(engine, model)
     return engine
 
@@ -230,9 +242,14 @@ def merged_model_copy(model: nn.Module) -> nn.Module:
 def sync_weights(engine, model: nn.Module, dist=None) -> None:
     """Push the trainer's weights (LoRA merged) into the engine; under FSDP2 (`dist.sharded`) every rank gathers
     the full weights once (a collective) and loads them into its own engine."""
+    engine.load_weights(engine_weights(model, dist))
+
+
+def engine_weights(model: nn.Module, dist=None):
+    """What the engine loads: the module itself, its LoRA-merged state dict, or under FSDP2 the gathered full
+    weights (a collective: every rank must call it)."""
     if dist is not None and dist.sharded:
         from dppo.train.checkpoint import full_state
 
-        engine.load_weights(full_state(dist, model, trainable_only=False, rank0_only=False))
-        return
-    engine.load_weights(merged_state_dict(model) if hasattr(model, "get_base_model") else model)
+        return full_state(dist, model, trainable_only=False, rank0_only=False)
+    return merged_state_dict(model) if hasattr(model, "get_base_model") else model

@@ -94,6 +94,15 @@ class RolloutConfig:
     TV/KL), else 0."""
     hf_max_batch_rows: int = 0
     """hf engine: most responses decoded together (whole prompts per batch; bounds the KV cache); 0 = all P·G."""
+    quantization: Literal["none", "fp8"] = "none"
+    """fp8 = the engine samples from float8 e4m3 weights (one scale per output channel, quantised at every weight
+    sync; dppo.rollout.quantize) and records that model's log-probs as µ: cheap inference and a mismatch that
+    grows with the weights' scale."""
+    fp8_activations: bool = False
+    """With quantization fp8 and the hf engine: also quantise every decoder linear layer's input per token."""
+    engine_lag: int = 0
+    """The engine samples with the weights of this many optimiser steps ago (a deterministic stand-in for
+    asynchronous rollouts; µ is still recorded by the engine, so the importance weight and the mask stay exact)."""
     vllm_kv_cache_gb: float = 2.0
     """vLLM on CPU: KV cache size in GB (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_gpu_memory_utilization: float = 0.5
@@ -104,6 +113,12 @@ class RolloutConfig:
             if getattr(self, name) < 1:
                 _fail(f"rollout.{name}", f"expected >= 1, got {getattr(self, name)}")
         _positive("rollout", temperature=self.temperature, vllm_kv_cache_gb=self.vllm_kv_cache_gb)
+        if self.engine_lag < 0:
+            _fail("rollout.engine_lag", f"expected >= 0, got {self.engine_lag}")
+        if self.fp8_activations and self.quantization != "fp8":
+            _fail("rollout.fp8_activations", "needs rollout.quantization fp8")
+        if self.fp8_activations and self.engine == "vllm":
+            _fail("rollout.fp8_activations", "needs the hf engine (vLLM's activations are not reachable)")
         if self.hf_max_batch_rows < 0:
             _fail("rollout.hf_max_batch_rows", f"expected >= 0, got {self.hf_max_batch_rows}")
         if self.top_k_logprobs is not None and self.top_k_logprobs < 0:

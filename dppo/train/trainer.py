@@ -9,6 +9,7 @@ optimiser step (one host sync per optimiser step, for the finite-gradient check)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -34,7 +35,7 @@ from dppo.rewards.runner import NonFiniteRewardError
 from dppo.losses import LOSSES, aggregation_denominator
 from dppo.rollout.base import SamplingParams
 from dppo.train.batch import RolloutBatch, collate
-from dppo.train.build import build_engine, build_model, build_reward_runner, build_scorer, build_task, resolve_device, sync_weights
+from dppo.train.build import build_engine, build_model, build_reward_runner, build_scorer, build_task, engine_weights, resolve_device, sync_weights
 from dppo.train.evaluation import decode_responses, engine_prompts, evaluate, load_checkpoint_weights
 from dppo.train.scoring import Scores
 from dppo.trust_region import TRUST_REGIONS
@@ -156,9 +157,10 @@ class Trainer:
         self.consecutive_skips = 0  # optimiser steps skipped in a row; train.max_consecutive_skips stops the run
         self._first_skip: tuple[int, str] | None = None  # (step, non-finite tensor) that began the current streak
         self._log_write_s = 0.0  # seconds the logger took to write the previous step's metrics
+        self._lagged: collections.deque = collections.deque()  # rollout.engine_lag: weights waiting for the engine
         if resume:
             self._restore()
-        if resume:
+        if resume:  # (with rollout.engine_lag the lag restarts from the resumed weights)
             sync_weights(self.engine, self.model, self.dist)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id] if i is not None}))
@@ -228,7 +230,7 @@ class Trainer:
         with timer.time("training"):
             update_stats = self._update(batch, adv, old, timer)
         with timer.time("sync"):
-            sync_weights(self.engine, self.model, self.dist)
+            self._publish_weights()
         self.step_idx += 1
         with timer.time("metrics"):
             self.logger.log_samples(self.step_idx, self._samples(completions, rewards, batch, examples))
@@ -263,6 +265,20 @@ class Trainer:
                 topk_ids=batch.topk_ids[idx] if batch.topk_ids is not None else None,
                 with_entropy=with_entropy, pad_id=self.pad_id,
             )
+
+    def _publish_weights(self) -> None:
+        """After an update: the engine gets the trainer's weights, or with rollout.engine_lag k > 0 the weights of k
+        optimiser steps ago (kept as CPU copies until then)."""
+        lag = self.cfg.rollout.engine_lag
+        if not lag:
+            sync_weights(self.engine, self.model, self.dist)
+            return
+        weights = engine_weights(self.model, self.dist)
+        if isinstance(weights, torch.nn.Module):
+            weights = weights.state_dict()
+        self._lagged.append({k: v.detach().to("cpu", copy=True) for k, v in weights.items()})
+        if len(self._lagged) > lag:
+            self.engine.load_weights(self._lagged.popleft())
 
     def _recompute(self, batch: RolloutBatch) -> Scores:
         """π_old's scores of the whole batch before any update (the recompute anchor), one micro-batch at a time."""
@@ -393,6 +409,7 @@ class Trainer:
             "response/length_max": lengths.max(),
             "response/truncated_frac": float(sum(r == "length" for r in batch.finish_reason)) / len(batch.finish_reason),
             "advantage/zero_group_frac": adv_stats["zero_adv_group_frac"],
+            "rollout/staleness_steps": float(min(self.step_idx - 1, self.cfg.rollout.engine_lag)),
             **update,
             "optim/lr": self.scheduler.get_last_lr()[0],
             "optim/skipped_steps_total": float(self.skipped_steps),
