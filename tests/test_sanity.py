@@ -248,3 +248,21 @@ def test_noisy_study_logs_the_injected_mismatch_against_a_clean_control(tmp_path
         trainer.close()
     with pytest.raises(ValueError, match="logit_noise"):
         run_sanity(["pg-is"], [0], tmp_path / "x", logit_noise=-1.0, **kw)
+
+
+def test_mismatch_sources_and_the_fig5_group():
+    from dppo.studies.sanity import parse_mismatch
+
+    assert parse_mismatch("none") == {"engine_dtype": "float32", "logit_noise": 0.0, "quantization": "none", "engine_lag": 0}
+    assert parse_mismatch("bf16")["engine_dtype"] == "bfloat16"
+    assert parse_mismatch("fp8")["quantization"] == "fp8" and parse_mismatch("fp8")["engine_dtype"] == "float32"
+    assert parse_mismatch("lag:3")["engine_lag"] == 3 and parse_mismatch("noise:0.5")["logit_noise"] == 0.5
+    for bad in ("fp16", "lag:0", "lag:x", "noise:0", "noise:inf", "fp8:1", ""):
+        with pytest.raises(ValueError, match=r"^--mismatch: expected one of none, bf16, fp8, lag:K, noise:SIGMA"):
+            parse_mismatch(bad)
+    fig5 = expand_methods(["fig5"])
+    assert fig5[0] == "pg-is" and len(fig5) == 5
+    assert method_loss("pg-is-neg-mask:neg_delta=0.8:anchor=recompute") == {
+        **SANITY_METHODS["pg-is-neg-mask"], "neg_delta": 0.8, "anchor": "recompute"}
+    cfg = sanity_config("m", "r", "pg-is-neg-mask", 0, **{k: v for k, v in parse_mismatch("lag:2").items() if k != "logit_noise"})
+    assert cfg.rollout.engine_lag == 2 and cfg.rollout.dtype == "float32" and cfg.loss.trust_region == "pg_is_neg_mask"

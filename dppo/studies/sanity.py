@@ -63,12 +63,16 @@ SANITY_METHOD_NAMES = ("pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-bin
 """The default method list (Fig. 3's methods)."""
 RELAX_METHOD_NAMES = ("grpo-relax-high", "grpo-relax-low", "grpo-relax-both")
 """The relax-α ablation (§6): run on request (`--methods relax`)."""
+FIG5_METHOD_NAMES = ("pg-is-neg-mask",)
+"""Fig. 5 (§5.3): PG-IS with only the negative-sample mask (`--methods fig5`: δ 0.5 and 0.8, at µ and at π_old)."""
 METHOD_GROUPS: dict[str, tuple[str, ...]] = {
     "all": SANITY_METHOD_NAMES,
     "key": ("pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl"),
     "relax": ("grpo-clip-higher",) + RELAX_METHOD_NAMES,
     "delta": ("dppo-binary-tv:delta=0.1", "dppo-binary-tv", "dppo-binary-tv:delta=0.2",
               "dppo-binary-kl", "dppo-binary-kl:delta=0.1", "dppo-binary-kl:delta=0.15"),
+    "fig5": ("pg-is", "pg-is-neg-mask", "pg-is-neg-mask:neg_delta=0.8", "pg-is-neg-mask:anchor=recompute",
+             "pg-is-neg-mask:neg_delta=0.8:anchor=recompute"),
 }
 """Names usable in `--methods` for a list of methods."""
 WINDOW = 5  # steps averaged for "final" values and the running peak
@@ -91,7 +95,7 @@ def _loss_overrides(preset: str) -> dict[str, Any]:
 
 
 SANITY_METHODS: dict[str, dict[str, Any]] = {name: _loss_overrides(name)
-                                             for name in SANITY_METHOD_NAMES + RELAX_METHOD_NAMES}
+                                             for name in SANITY_METHOD_NAMES + RELAX_METHOD_NAMES + FIG5_METHOD_NAMES}
 """Method name -> `loss` section overrides (from `dppo.train.presets`). Top-K methods record µ's top-20 (the registry's
 `needs_topk`, resolved by `Config.top_k_logprobs`)."""
 
@@ -123,6 +127,28 @@ def method_loss(method: str) -> dict[str, Any]:
     except (ConfigError, TypeError) as exc:
         raise ValueError(f"method {method!r}: {exc}") from None
     return loss
+
+
+MISMATCH_SOURCES = ("none", "bf16", "fp8", "lag:K", "noise:SIGMA")
+
+
+def parse_mismatch(spec: str) -> dict[str, Any]:
+    """The rollout-side mismatch of `--mismatch SPEC` as settings: none (float32 engine, the control), bf16 (a
+    bf16 engine), fp8 (fp8 weights, `rollout.quantization`), lag:K (the engine K optimiser steps behind,
+    `rollout.engine_lag`), noise:SIGMA (N(0, σ²) logit noise). ValueError naming `--mismatch` otherwise."""
+    kind, _, arg = spec.partition(":")
+    out = {"engine_dtype": "float32", "logit_noise": 0.0, "quantization": "none", "engine_lag": 0}
+    try:
+        if kind in ("none", "bf16", "fp8") and not arg:
+            out.update({"bf16": {"engine_dtype": "bfloat16"}, "fp8": {"quantization": "fp8"}}.get(kind, {}))
+            return out
+        if kind == "lag" and int(arg) >= 1:
+            return {**out, "engine_lag": int(arg)}
+        if kind == "noise" and 0 < float(arg) < math.inf:
+            return {**out, "logit_noise": float(arg)}
+    except ValueError:
+        pass
+    raise ValueError(f"--mismatch: expected one of {', '.join(MISMATCH_SOURCES)} (K >= 1, SIGMA > 0), got {spec!r}")
 
 
 def expand_methods(names: Sequence[str]) -> list[str]:
@@ -235,7 +261,7 @@ def sanity_config(model_dir: str | Path, run_dir: str | Path, method: str, seed:
                   lr: float = 3e-4, prompts_per_step: int = 32, group_size: int = 8, mini_batches: int = 4,
                   digits: int = 1, size: int = 80, eval_size: int = 20, max_new_tokens: int = 4,
                   micro_batch_size: int = 64, task_seed: int = 0, threads: int = 1,
-                  engine_dtype: str = "bfloat16") -> Config:
+                  engine_dtype: str = "bfloat16", quantization: str = "none", engine_lag: int = 0) -> Config:
     """The run config of one (method, seed): HF engine in `engine_dtype` (bf16 by default), fp32 trainer,
     `addition` task (the warm start's split), `mini_batches` optimiser steps per rollout batch, evaluation only
     after training, no TensorBoard. `method` is a spec of `method_loss`."""
@@ -243,7 +269,8 @@ def sanity_config(model_dir: str | Path, run_dir: str | Path, method: str, seed:
     return replace(
         Config(),
         model={"name": str(model_dir), "dtype": "float32"},
-        rollout={"engine": "hf", "dtype": engine_dtype, "prompts_per_step": prompts_per_step, "group_size": group_size,
+        rollout={"engine": "hf", "dtype": engine_dtype, "quantization": quantization, "engine_lag": engine_lag,
+                 "prompts_per_step": prompts_per_step, "group_size": group_size,
                  "max_new_tokens": max_new_tokens},  # top-K: recorded where the region needs it
         task={"name": "addition", "options": json.dumps({"digits": digits}), "size": size, "eval_size": eval_size,
               "seed": task_seed},
@@ -409,7 +436,8 @@ def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path
                prompts_per_step: int = 32, group_size: int = 8, mini_batches: int = 4, max_new_tokens: int = 4,
                digits: int = 1, size: int = 80, eval_size: int = 20, hidden: int = 128, layers: int = 2,
                sft_steps: int = 60, warm_seed: int = 0, threads: int = 1, engine_dtype: str = "bfloat16",
-               logit_noise: float = 0.0, verbose: bool = True) -> dict[str, Any]:
+               logit_noise: float = 0.0, quantization: str = "none", engine_lag: int = 0,
+               verbose: bool = True) -> dict[str, Any]:
     """Run every (method, seed) from the same warm-started model; write sanity.json and sanity.png; return the report.
 
     The warm start is one model (seed `warm_seed`) shared by all runs; `seeds` vary the RL run (sampling, data
@@ -440,6 +468,7 @@ def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path
                     mini_batches=mini_batches, max_new_tokens=max_new_tokens, digits=digits, size=size,
                     eval_size=eval_size, hidden=hidden, layers=layers, sft_steps=sft_steps, warm_seed=warm_seed,
                     seeds=list(seeds), engine="hf", engine_dtype=engine_dtype, logit_noise=logit_noise,
+                    quantization=quantization, engine_lag=engine_lag,
                     trainer_dtype="float32", warm_start=str(model_dir))
     report: dict[str, Any] = {"settings": settings, "criteria": {
         "final_accuracy": f"mean reward/accuracy of the last {WINDOW} steps",
@@ -453,7 +482,7 @@ def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path
             cfg = sanity_config(model_dir, run_dir, method, seed, steps=steps, lr=lr, prompts_per_step=prompts_per_step,
                                 group_size=group_size, mini_batches=mini_batches, digits=digits, size=size,
                                 eval_size=eval_size, max_new_tokens=max_new_tokens, threads=threads,
-                                engine_dtype=engine_dtype)
+                                engine_dtype=engine_dtype, quantization=quantization, engine_lag=engine_lag)
             t0 = time.perf_counter()
             trainer = (_NoisyRolloutTrainer(cfg, run_dir, logit_noise=logit_noise, noise_seed=10_007 * seed + 1)
                        if logit_noise > 0 else Trainer(cfg, run_dir))
@@ -516,6 +545,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="rollout engine dtype (the trainer is fp32; float32 + --logit-noise 0 = no mismatch)")
     p.add_argument("--logit-noise", type=float, default=0.0,
                    help="sigma of N(0, sigma^2) noise on every logit the engine samples from (recorded as mu)")
+    p.add_argument("--mismatch", default=None, metavar="SPEC",
+                   help="the rollout-side mismatch, overriding --engine-dtype/--logit-noise: none (float32 engine), "
+                        "bf16, fp8 (fp8 weights), lag:K (engine K optimiser steps behind), noise:SIGMA")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out-dir", default=None, help="output folder (default: runs/sanity-<timestamp>)")
     p.add_argument("--quick", action="store_true",
@@ -535,6 +567,12 @@ def cmd_sanity(argv: list[str]) -> int:
                   mini_batches=args.mini_batches, digits=args.digits, hidden=args.hidden, layers=args.layers,
                   sft_steps=args.sft_steps, threads=args.threads, engine_dtype=args.engine_dtype,
                   logit_noise=args.logit_noise)
+    if args.mismatch is not None:
+        try:
+            kwargs.update(parse_mismatch(args.mismatch))
+        except ValueError as exc:
+            print(f"dppo sanity: error: {exc}")
+            return 2
     if args.quick:
         methods, seeds = ["dppo-binary-tv", "pg-is"], [0]
         kwargs.update(steps=5, prompts_per_step=8, group_size=4, hidden=64, sft_steps=30)
