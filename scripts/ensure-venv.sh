@@ -37,5 +37,11 @@ if [[ "${DPPO_SKIP_VLLM:-0}" != 1 ]]; then
         "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
     fi
 fi
+# Integrations (TRL, verl's policy-loss module, the wandb and trackio trackers): requirements/integrations.txt, its
+# unmarked lines with pip's resolver, then the lines marked "# --no-deps" without their declared dependencies
+# (the file says why for each: verl would pull ray and an older transformers, trackio an older pillow).
+INTEGRATIONS="$ROOT/requirements/integrations.txt"
+"${PIP[@]}" -r <(grep -v -- "# --no-deps" "$INTEGRATIONS") 2> >(grep -v "is ignored" >&2)
+"${PIP[@]}" --no-deps -r <(grep -- "# --no-deps" "$INTEGRATIONS") 2> >(grep -v "is ignored" >&2)
 echo "$HASH" > "$STAMP"
 echo "[dppo] environment ready" >&2

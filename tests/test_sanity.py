@@ -69,7 +69,7 @@ def test_summaries_and_table():
 def test_methods_follow_presets():
     assert set(SANITY_METHODS) == {"pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl",
                                    "dppo-topk-tv", "dppo-topk-kl", "dppo-recompute",
-                                   "grpo-relax-high", "grpo-relax-low", "grpo-relax-both"}
+                                   "grpo-relax-high", "grpo-relax-low", "grpo-relax-both", "pg-is-neg-mask"}
     for name, loss in SANITY_METHODS.items():
         preset = PRESETS[name][0]().loss
         for key, value in loss.items():

@@ -341,16 +341,56 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
-    """Where and what the run writes."""
+    """Where and what the run writes: metrics.jsonl always, plus the experiment trackers of `report_to`
+    (dppo.train.logger). `trackers` is the list actually used: `report_to` less "none", and less "tensorboard"
+    when the older switch `tensorboard` is false (so configs and flags from before `report_to`,
+    `tensorboard: false` / `--log.no-tensorboard`, still turn TensorBoard off; `tensorboard: true` adds nothing)."""
 
     run_dir: str = ""
     """Run directory ('' = a new timestamped folder under runs/)."""
+    report_to: tuple[Literal["tensorboard", "wandb", "trackio", "none"], ...] = ("tensorboard",)
+    """Experiment trackers that get the config at start and every metric (TRL's `report_to`): tensorboard
+    (<run_dir>/tb), wandb (pip install 'dppo[wandb]'), trackio ('dppo[trackio]'); none = only metrics.jsonl."""
     tensorboard: bool = True
-    """Write TensorBoard event files to <run_dir>/tb."""
+    """Older switch kept for old configs: false removes tensorboard from report_to (true changes nothing)."""
+    project: str = "dppo"
+    """wandb / trackio project the run is logged under."""
+    run_name: str = ""
+    """wandb / trackio run name ('' = the run directory's name)."""
+    trackers_offline: bool = True
+    """Keep wandb and trackio on this machine: wandb runs in offline mode under <run_dir>/wandb (or WANDB_DIR;
+    upload later with `wandb sync`), with its error reporting off; trackio writes only its local database
+    (TRACKIO_DIR, default ~/.cache/huggingface/trackio; TRACKIO_SPACE_ID/TRACKIO_SERVER_URL are ignored).
+    False = each goes online as it is configured (wandb login / WANDB_MODE, trackio's variables)."""
     progress: bool = True
     """Show a rich progress bar."""
     samples_per_step: int = 4
     """Responses per step written to samples.jsonl."""
+
+    def __post_init__(self) -> None:
+        from dppo.train.logger import TRACKERS, check_tracker_installed
+
+        report_to = (self.report_to,) if isinstance(self.report_to, str) else tuple(self.report_to)
+        object.__setattr__(self, "report_to", report_to)  # a single name (TRL accepts a str) becomes a tuple
+        for name in report_to:
+            if name not in (*TRACKERS, "none"):
+                _fail("log.report_to", f"unknown tracker {name!r}; valid: {', '.join(TRACKERS)}, none")
+        if len(set(report_to)) != len(report_to):
+            _fail("log.report_to", f"a tracker is listed twice: {', '.join(report_to)}")
+        if "none" in report_to and len(report_to) > 1:
+            _fail("log.report_to", f"'none' cannot be combined with other trackers, got {', '.join(report_to)}")
+        if not self.project:
+            _fail("log.project", "expected a project name, got ''")
+        for name in self.trackers:
+            problem = check_tracker_installed(name)
+            if problem:
+                _fail("log.report_to", problem)
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers the run writes to: report_to without "none", and without tensorboard when `tensorboard`
+        is false."""
+        return tuple(t for t in self.report_to if t != "none" and (t != "tensorboard" or self.tensorboard))
 
 
 @dataclass(frozen=True)

@@ -164,8 +164,7 @@ class Trainer:
             sync_weights(self.engine, self.model, self.dist)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id] if i is not None}))
-        self.logger = RunLogger(self.run_dir, total_steps=cfg.train.steps, tensorboard=cfg.log.tensorboard,
-                                progress=cfg.log.progress, start_step=self.step_idx, active=self.dist.is_main)
+        self.logger = RunLogger.for_run(self.run_dir, cfg, start_step=self.step_idx, active=self.dist.is_main)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
