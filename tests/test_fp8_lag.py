@@ -83,7 +83,7 @@ def test_fp8_mismatch_grows_with_the_logits_scale(make_tiny_model):
             logp = model(input_ids=ids).logits.float().log_softmax(-1)
             q_logp = _quantised_copy(model)(input_ids=ids).logits.float().log_softmax(-1)
         tvs.append(float(full_tv(q_logp, logp).mean()))
-    assert tvs[0] < tvs[1] < tvs[2], tvs  # measured: 0.077, 0.13, 0.17
+    assert tvs[0] < tvs[1] < tvs[2], tvs  # measured: 0.077, 0.149, 0.171
     assert tvs[2] > 1.5 * tvs[0]
 
 
