@@ -42,14 +42,14 @@ def correct(completions, answer, **kwargs) -> list[float]:
     return [float(bool(n) and n[-1] == a) for n, a in zip(numbers, answer)]
 
 
-def load(name: str):
+def load(name: str, seed: int = 0):
     """(model, tokenizer): "tiny" builds a small random Qwen2 with a character tokenizer in process; "smollm2-135m"
     loads SmolLM2-135M-Instruct offline; anything else is a local model folder."""
     from dppo.train.models import char_tokenizer, resolve_model_path, tiny_random_model
 
     if name == "tiny":
         tokenizer = char_tokenizer()
-        return tiny_random_model(tokenizer, hidden_size=64, num_layers=2, initializer_range=0.2), tokenizer
+        return tiny_random_model(tokenizer, hidden_size=64, num_layers=2, initializer_range=0.2, seed=seed), tokenizer
     path = resolve_model_path(name)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
 
@@ -75,25 +75,26 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--top-k-logprobs", type=int, default=None)
     p.add_argument("--rollout", choices=("trl", "hf", "vllm"), default="trl",
                    help="trl = TRL's own generation; hf / vllm = dppo's engines through rollout_func")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order, sampling and any random model")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads; 0 = 1 for the tiny model (tiny matmuls slow down on 2), else 2")
     p.add_argument("--output-dir", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads or (1 if args.model == "tiny" else 2))
 
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, args.seed)
     config = DPPOConfig(  # GRPO: GRPOConfig(
         output_dir=args.output_dir or tempfile.mkdtemp(prefix="trl-dppo-"),
         use_cpu=True, bf16=False, gradient_checkpointing=False,  # fp32 on CPU; TRL's defaults are bf16 and checkpointing
         learning_rate=args.lr, lr_scheduler_type="constant", beta=0.0,
         num_generations=args.generations, per_device_train_batch_size=args.prompts * args.generations,
         max_completion_length=args.max_new_tokens, temperature=1.0,
-        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", seed=0,
+        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", seed=args.seed,
         **dppo_options(args),  # GRPO: (none)
     )
-    rollout = {} if args.rollout == "trl" else {"rollout_func": dppo_rollout_func(args.rollout)}
+    rollout = {} if args.rollout == "trl" else {"rollout_func": dppo_rollout_func(args.rollout)}  # optional
     trainer = DPPOTrainer(  # GRPO: GRPOTrainer(
-        model=model, reward_funcs=correct, args=config, train_dataset=chain_sum_dataset(args.prompts * args.steps),
+        model=model, reward_funcs=correct, args=config, train_dataset=chain_sum_dataset(200),
         processing_class=tokenizer, **rollout)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]

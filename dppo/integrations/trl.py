@@ -22,12 +22,9 @@ normalisers, so a recipe's learning rate keeps its meaning. TRL's default "dapo"
 of the whole generation batch (dppo's default, the paper's seq-mean-token-sum-norm, is `loss_type="dr_grpo"`). Ratio
 clip ε of the PPO regions are TRL's `epsilon` / `epsilon_high` (None: the registry's 0.28, clip-higher).
 
-Metrics (per micro-batch, one all-reduce): TRL's `clip_ratio/{low,high,region}_mean` (masked tokens over all active
-tokens, by advantage sign), `sampling/sampling_logp_difference/{mean,max}` (|log π − log µ|) and `entropy`, plus
-`dppo/masked_frac{,_pos,_neg}` (over all / Â>0 / Â<0 tokens), `dppo/ratio_{mean,max,above_cap_frac}`,
-`dppo/mismatch/{tv,kl}_mean` (Binary TV/KL of µ and π), `dppo/mismatch/log_ratio_gt_log2_frac`,
-`dppo/mismatch/topk_{tv,kl}_mean` (Top-K runs) and `dppo/unscored_frac` (tokens without µ, left out of the loss).
-With `steps_per_generation > gradient_accumulation_steps` later optimiser steps add the drift of earlier ones.
+Metrics (per micro-batch, one all-reduce; listed in docs/integrations.md): TRL's names where TRL has the quantity
+(`clip_ratio/{low,high,region}_mean` = masked tokens by advantage sign, `sampling/sampling_logp_difference/*`,
+`entropy`), dppo's otherwise (`dppo/masked_frac*`, `dppo/ratio_*`, `dppo/mismatch/*`, `dppo/unscored_frac`).
 
 TRL is imported here only: `import dppo` never needs it.
 """
@@ -283,6 +280,9 @@ class DPPOTrainer(GRPOTrainer):
                           "eprint={arXiv:2602.04879}}"}
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, rollout_func=None, tools=None, **kwargs):
+        if args is None:  # as GRPOTrainer does: "<model name>-DPPO" as the output folder
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+            args = DPPOConfig(f"{str(name).rstrip('/').split('/')[-1] or 'model'}-DPPO")
         if not isinstance(args, DPPOConfig):
             raise ValueError(f"args: DPPOTrainer needs a DPPOConfig, got {type(args).__name__}")
         topk = needs_topk(args.trust_region)
