@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -170,14 +169,10 @@ def run_child(args, system: str) -> dict:
     cmd = [sys.executable, __file__, "--child", "--system", system, "--model", args.model, "--prompts", str(args.prompts),
            "--gens", str(args.gens), "--new", str(args.new), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--threads", str(args.threads), "--ab-repeats", str(args.ab_repeats)]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    from bench_vs_trl import child_result
+
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"{system} failed with exit code {proc.returncode}")
-    out = json.loads(lines[-1][7:])
+    out = child_result(cmd, system, TRL_EXPERIMENTAL_SILENCE="1")
     what = f"{out['step_s']:.2f} s/step" if "step_s" in out else "A/B on one batch"
     print(f"  {system}: {what} ({time.perf_counter() - t0:.0f} s in all)", flush=True)
     return out

@@ -233,19 +233,24 @@ def child(args) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def child_result(cmd: list[str], label: str, **env: str) -> dict:
+    """Run a benchmark child process and return the JSON of its last `RESULT ` line (its output on failure)."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **env}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise SystemExit(f"{label} failed with exit code {proc.returncode}")
+    return json.loads(lines[-1][7:])
+
+
 def run_child(args, model: str, precision: str, system: str) -> dict:
     cmd = [sys.executable, __file__, "--child", "--model", model, "--precision", precision, "--system", system,
            "--prompts", str(args.prompts), "--gens", str(args.gens), "--new", str(args.new), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--mini-batches", str(args.mini_batches),
            "--micro-batch-size", str(args.micro_batch_size), "--threads", str(args.threads)]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"{system} on {model} ({precision}) failed with exit code {proc.returncode}")
-    out = json.loads(lines[-1][7:])
+    out = child_result(cmd, f"{system} on {model} ({precision})")
     print(f"  {model} {precision} {system}: {out['step_s']:.2f} s/step ({time.perf_counter() - t0:.0f} s in all)",
           flush=True)
     return out

@@ -238,13 +238,16 @@ def region_params(trust_region: str, given: dict[str, Any]) -> dict[str, Any]:
         value = param.default if value is None else value
         if value is None:
             raise ValueError(f"{name}: required by trust_region {trust_region!r} (no default)")
-        out[name] = check_param(name, value)
+        out[name] = _checked(name, param, value)
     return out
 
 
 def check_param(name: str, value: Any) -> Any:
     """`value` if it passes the check of the trust-region parameter `name`, else ValueError naming it."""
-    param = all_params()[name]
+    return _checked(name, all_params()[name], value)
+
+
+def _checked(name: str, param: Param, value: Any) -> Any:
     if not param.check(value):
         raise ValueError(f"{name}: expected {param.expect}, got {value!r}")
     return value

@@ -110,7 +110,8 @@ def test_sigint_stops_after_the_step_and_restores_the_handlers(tmp_path, monkeyp
 
 
 def test_a_second_signal_is_not_deferred(tmp_path, monkeypatch):
-    # Precondition: Python's own SIGINT handler (a library imported by another test may have installed its own).
+    # Precondition: Python's own SIGINT handler. A process started in the background by a non-interactive shell
+    # (`cmd &`) inherits SIGINT ignored, and Python then installs no handler: the second signal would be ignored.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     trainer = Trainer(_cfg(tmp_path, steps=10), tmp_path)
     real_step = trainer.step

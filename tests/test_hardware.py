@@ -47,7 +47,7 @@ def test_auto_engine_rule(device, dtype, has_vllm, expected):
     assert hardware.resolve_engine("vllm", dtype, device, has_vllm=has_vllm).value == "vllm"  # explicit wins
 
 
-def test_this_machine_is_described(capsys):
+def test_this_machine_is_described():
     from dppo.train.build import resolve_rollout
 
     engine, dtype, _ = resolve_rollout(replace(get_preset("demo"), model={"device": "cpu"}))
