@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -103,6 +104,25 @@ class RolloutConfig:
     engine_lag: int = 0
     """The engine samples with the weights of this many optimiser steps ago (a deterministic stand-in for
     asynchronous rollouts; µ is still recorded by the engine, so the importance weight and the mask stay exact)."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync = generate, train, sync weights, in turn, with the engine in the trainer's process. async = rollout
+    workers in their own processes (one per `devices` entry) sample the next batches while the trainer trains
+    (dppo.rollout.remote; docs/async.md); each response records the weight version it was sampled under."""
+    max_staleness: int = 1
+    """async: a batch is trained at most this many optimiser steps after the weights that sampled it (0 = the
+    same weights and metrics as sync, with the engine in another process)."""
+    devices: str = ""
+    """async: one rollout worker per comma-separated entry (cpu, cuda, cuda:N; 'cpu,cpu' = two CPU workers).
+    '' = one worker on the trainer's device type."""
+    backend: Literal["local", "ray"] = "local"
+    """async: local = worker processes on this machine, weights published through shared memory; ray = Ray actors
+    (placeable on other nodes of a Ray cluster), weights published through Ray's object store."""
+    ray_address: str = ""
+    """backend ray: the cluster to join ('auto', 'host:port'); '' = start a Ray instance on this machine."""
+    worker_threads: int = 0
+    """async: CPU threads of each CPU worker; 0 = the cores divided between the trainer and the CPU workers."""
+    worker_timeout_s: float = 600.0
+    """async: a worker that returns nothing for this long (starting included) is reported as hung, by index."""
     vllm_kv_cache_gb: float = 2.0
     """vLLM on CPU: KV cache size in GB (VLLM_CPU_KVCACHE_SPACE)."""
     vllm_gpu_memory_utilization: float = 0.5
@@ -115,6 +135,25 @@ class RolloutConfig:
         _positive("rollout", temperature=self.temperature, vllm_kv_cache_gb=self.vllm_kv_cache_gb)
         if self.engine_lag < 0:
             _fail("rollout.engine_lag", f"expected >= 0, got {self.engine_lag}")
+        if self.max_staleness < 0:
+            _fail("rollout.max_staleness", f"expected >= 0, got {self.max_staleness}")
+        if self.worker_threads < 0:
+            _fail("rollout.worker_threads", f"expected >= 0, got {self.worker_threads}")
+        _positive("rollout", worker_timeout_s=self.worker_timeout_s)
+        if self.mode == "async" and self.engine_lag:
+            _fail("rollout.engine_lag", "is the synchronous stand-in for staleness; with rollout.mode async use "
+                                        "rollout.max_staleness")
+        for name in ("devices", "backend", "ray_address"):
+            if self.mode == "sync" and getattr(self, name) != getattr(RolloutConfig, name):
+                _fail(f"rollout.{name}", "needs rollout.mode async")
+        for device in self.device_list:
+            if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+                _fail("rollout.devices", f"{device!r} is not a device (expected cpu, cuda or cuda:N, comma-separated)")
+
+    @property
+    def device_list(self) -> list[str]:
+        """The rollout workers' devices (async), one entry per worker; [] = one worker on the trainer's device."""
+        return [d.strip() for d in self.devices.split(",")] if self.devices.strip() else []
         if self.fp8_activations and self.quantization != "fp8":
             _fail("rollout.fp8_activations", "needs rollout.quantization fp8")
         if self.fp8_activations and self.engine == "vllm":
@@ -419,6 +458,10 @@ class Config:
             _fail("train.mini_batches", f"{self.train.mini_batches} mini-batches > {self.rollout.prompts_per_step} prompts per step")
         if self.rollout.prompts_per_step % self.train.mini_batches:
             _fail("train.mini_batches", f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (groups stay whole)")
+        workers = max(1, len(self.rollout.device_list))
+        if self.rollout.mode == "async" and workers > self.rollout.prompts_per_step:
+            _fail("rollout.devices", f"{workers} rollout workers but rollout.prompts_per_step = "
+                                     f"{self.rollout.prompts_per_step}: every worker needs at least one prompt per step")
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
             _fail("loss.anchor", "drpo has no mask to anchor")
 

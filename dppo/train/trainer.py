@@ -135,12 +135,18 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         _seed_everything(cfg.train.seed)
+        self.rollouts = None  # rollout.mode async: the AsyncRollouts in front of the worker pool
+        if cfg.rollout.mode == "async":
+            from dppo.rollout.remote import check_async
+
+            check_async(cfg, resolve_device(cfg.model.device))  # before any model loads
         self.task = build_task(cfg)  # validates data before any model is loaded
         self.train_examples, self.eval_examples = list(self.task.train), list(self.task.eval)
         self.reward_runner = build_reward_runner(cfg, self.task)
         self.model, self.tokenizer, self.model_path = build_model(cfg, self.run_dir)
-        self.engine = build_engine(cfg, self.model, self.tokenizer, self.model_path, seed_offset=self.dist.rank,
-                                   announce=lambda line: print(line, flush=True) if self.dist.is_main else None)
+        announce = lambda line: print(line, flush=True) if self.dist.is_main else None  # noqa: E731
+        self.engine = None if cfg.rollout.mode == "async" else build_engine(
+            cfg, self.model, self.tokenizer, self.model_path, seed_offset=self.dist.rank, announce=announce)
         self.scorer = build_scorer(cfg, self.model, self.dist)  # DDP/FSDP2 under torchrun (FSDP2 shards self.model)
         self.loss_fn, self.loss_settings = LOSSES[cfg.loss.loss], cfg.loss.settings()
         region = TRUST_REGIONS[cfg.loss.trust_region]
@@ -160,11 +166,32 @@ class Trainer:
         self._lagged: collections.deque = collections.deque()  # rollout.engine_lag: weights waiting for the engine
         if resume:
             self._restore()
-        if resume:  # (with rollout.engine_lag the lag restarts from the resumed weights)
+        if resume and self.engine is not None:  # (with rollout.engine_lag the lag restarts from the resumed weights)
             sync_weights(self.engine, self.model, self.dist)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id] if i is not None}))
         self.logger = RunLogger.for_run(self.run_dir, cfg, start_step=self.step_idx, active=self.dist.is_main)
+        if cfg.rollout.mode == "async":
+            self._start_async(announce)
+
+    def _start_async(self, announce) -> None:
+        """Start the rollout workers (rollout.mode async) holding the current weights as version step_idx."""
+        from dppo.rollout.remote import start_pool, worker_devices
+        from dppo.train.async_rollouts import AsyncRollouts
+        from dppo.train.build import resolve_rollout
+        from dppo.train.hardware import describe
+
+        r = self.cfg.rollout
+        engine, dtype, warning = resolve_rollout(self.cfg)
+        for line in (describe(engine, dtype), warning and f"[dppo] warning: {warning}"):
+            if line:
+                announce(line)
+        pool = start_pool(self.cfg, worker_devices(self.cfg, self.device), self._engine_state(), self.step_idx)
+        self.rollouts = AsyncRollouts(pool, max_staleness=r.max_staleness, prepare=self._prepare,
+                                      start_step=self.step_idx, start_position=self.sampler.position)
+        self.engine = self.rollouts
+        announce(f"[dppo] rollout: async, max_staleness {r.max_staleness}, {r.backend} backend, "
+                 + "; ".join(pool.name(i) for i in range(len(pool.devices))))
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -204,15 +231,19 @@ class Trainer:
     def step(self) -> dict[str, float]:
         cfg, timer = self.cfg, StepTimer(cuda=self.device.type == "cuda")
         t_start = time.perf_counter()
-        # Every rank draws the same prompts and keeps its contiguous share (whole groups stay on one rank).
-        examples = [self.train_examples[i] for i in self.dist.shard(self.sampler.next(cfg.rollout.prompts_per_step))]
         failure = None
         try:
             with timer.time("generation"):
-                rollouts = self.engine.generate(engine_prompts(examples, self.tokenizer), self._sampling_params(self.step_idx))
+                if self.rollouts is not None:  # async: the batch of this step, sampled ahead by the workers
+                    examples, rollouts = self.rollouts.take(self.step_idx)
+                else:
+                    examples, prompts, params, _ = self._prepare(self.step_idx)
+                    rollouts = self.engine.generate(prompts, params)
                 fault_point("rollout", self.step_idx + 1)
                 cpu_batch = collate(rollouts, pad_id=self.pad_id)
                 batch = cpu_batch.to(self.device)
+                if self.rollouts is not None:  # staleness of each response: trained by version step_idx
+                    batch.extras["staleness"] = (self.step_idx - batch.weight_version).to(self.device)
             with timer.time("reward"):
                 completions = decode_responses(cpu_batch, self.tokenizer)
                 rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
@@ -231,13 +262,30 @@ class Trainer:
         with timer.time("sync"):
             self._publish_weights()
         self.step_idx += 1
+        async_stats = self._async_stats(batch, t_start) if self.rollouts is not None else {}
         with timer.time("metrics"):
             self.logger.log_samples(self.step_idx, self._samples(completions, rewards, batch, examples))
             metrics = self._step_metrics(batch, rewards, reward_stats, adv_stats, update_stats)
+            for j in range(self.cfg.rollout.max_staleness + 1):  # per-staleness values of a staleness not trained
+                if metrics.get(f"rollout/staleness_frac_{j}", 1.0) == 0.0:
+                    metrics.pop(f"mismatch/binary_tv_stale_{j}", None)
+                    metrics.pop(f"trust_region/masked_frac_stale_{j}", None)
         step_s = time.perf_counter() - t_start
         tokens = metrics["perf/response_tokens"] + metrics["perf/prompt_tokens"]  # (all ranks)
-        return {**metrics, **timer.as_metrics(), "perf/step_s": step_s, "perf/tokens_per_s": tokens / max(step_s, 1e-9),
-                "perf/log_write_prev_s": self._log_write_s}
+        return {**metrics, **async_stats, **timer.as_metrics(), "perf/step_s": step_s,
+                "perf/tokens_per_s": tokens / max(step_s, 1e-9), "perf/log_write_prev_s": self._log_write_s}
+
+    def _prepare(self, step: int):
+        """The prompts of training step `step`: (examples, engine prompts, sampling params, sampler position after).
+        Every rank draws the same prompts and keeps its contiguous share (whole groups stay on one rank)."""
+        examples = [self.train_examples[i] for i in self.dist.shard(self.sampler.next(self.cfg.rollout.prompts_per_step))]
+        return examples, engine_prompts(examples, self.tokenizer), self._sampling_params(step), self.sampler.position
+
+    def _async_stats(self, batch: RolloutBatch, t_start: float) -> dict[str, float]:
+        """rollout.mode async: the trainer's wait for rollouts (idle) and the workers' idle fraction this step."""
+        step_s = max(time.perf_counter() - t_start, 1e-9)
+        wait = self.rollouts.last_wait_s
+        return {"async/trainer_wait_s": wait, "async/trainer_idle_frac": wait / step_s, **self.rollouts.worker_stats()}
 
     # ------------------------------------------------------------------ pieces of a step
     def _sampling_params(self, step: int, *, n: int | None = None, temperature: float | None = None,
@@ -268,16 +316,22 @@ class Trainer:
     def _publish_weights(self) -> None:
         """After an update: the engine gets the trainer's weights, or with rollout.engine_lag k > 0 the weights of k
         optimiser steps ago (kept as CPU copies until then)."""
+        if self.rollouts is not None:  # async: a new version for the workers
+            self.rollouts.publish(self.step_idx + 1, self._engine_state())
+            return
         lag = self.cfg.rollout.engine_lag
         if not lag:
             sync_weights(self.engine, self.model, self.dist)
             return
-        weights = engine_weights(self.model, self.dist)
-        if isinstance(weights, torch.nn.Module):
-            weights = weights.state_dict()
+        weights = self._engine_state()
         self._lagged.append({k: v.detach().to("cpu", copy=True) for k, v in weights.items()})
         if len(self._lagged) > lag:
             self.engine.load_weights(self._lagged.popleft())
+
+    def _engine_state(self) -> dict[str, Tensor]:
+        """The weights an engine loads, as a state dict (LoRA merged; under FSDP2 a collective)."""
+        weights = engine_weights(self.model, self.dist)
+        return weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
 
     def _recompute(self, batch: RolloutBatch) -> Scores:
         """π_old's scores of the whole batch before any update (the recompute anchor), one micro-batch at a time."""
@@ -305,7 +359,7 @@ class Trainer:
     def _update(self, batch: RolloutBatch, adv: Tensor, old, timer: StepTimer | None = None) -> dict[str, Any]:
         cfg = self.cfg
         timer = timer or StepTimer(cuda=self.device.type == "cuda")
-        acc = _Accumulator(self.device)
+        acc = _Accumulator(self.device, self.cfg.rollout.max_staleness if self.rollouts is not None else None)
         first = True
         for epoch in range(cfg.train.epochs):
             for mb in self._minibatches(batch.response_ids.shape[0], epoch):
@@ -348,7 +402,11 @@ class Trainer:
                                    **self.loss_settings)
         stats = dict(stats)
         if "keep" in stats:
-            stats["masked_mu_hist"] = _masked_mu_histogram(stats.pop("keep"), rollout_logp, mask)
+            keep = stats.pop("keep")
+            stats["masked_mu_hist"] = _masked_mu_histogram(keep, rollout_logp, mask)
+            if "staleness" in batch.extras:  # async: masked tokens per staleness
+                masked, n = _per_staleness(~keep & mask, mask, batch.extras["staleness"][micro], self.cfg.rollout.max_staleness)
+                stats["masked_by_staleness"], stats["n_by_staleness"] = masked, n
         return loss, stats
 
     def _optimizer_step(self, loss_finite: Tensor) -> Tensor:
@@ -370,6 +428,8 @@ class Trainer:
     def _skip_step(self, reason: str, t_start: float) -> dict[str, float]:
         """A step whose rewards were non-finite: no update, counted like a skipped optimiser step."""
         self._skip(True, culprit=f"reward ({reason})")
+        if self.rollouts is not None:  # the unchanged weights become the next version (versions count steps)
+            self._publish_weights()
         self.step_idx += 1
         return {"reward/nonfinite_steps": 1.0, "optim/skipped_steps_total": float(self.skipped_steps),
                 "perf/step_s": time.perf_counter() - t_start}
@@ -408,7 +468,7 @@ class Trainer:
             "response/length_max": lengths.max(),
             "response/truncated_frac": float(sum(r == "length" for r in batch.finish_reason)) / len(batch.finish_reason),
             "advantage/zero_group_frac": adv_stats["zero_adv_group_frac"],
-            "rollout/staleness_steps": float(min(self.step_idx - 1, self.cfg.rollout.engine_lag)),
+            **self._staleness_metrics(batch),
             **update,
             "optim/lr": self.scheduler.get_last_lr()[0],
             "optim/skipped_steps_total": float(self.skipped_steps),
@@ -416,6 +476,18 @@ class Trainer:
             "perf/prompt_tokens": float(sum(int(p.numel()) for p in batch.prompt_ids)),
         }
         return self.dist.reduce_metrics(out)  # the one sync of the step (over ranks: one all-gather)
+
+    def _staleness_metrics(self, batch: RolloutBatch) -> dict[str, Any]:
+        """How many optimiser steps behind the trainer each trained response's weights were: with rollout.engine_lag
+        the lag (reached after that many steps); async the recorded versions (mean, max, and the share per value)."""
+        if "staleness" not in batch.extras:
+            lag = float(min(self.step_idx - 1, self.cfg.rollout.engine_lag))
+            return {"rollout/staleness_steps": lag, "rollout/staleness_mean": lag, "rollout/staleness_max": lag}
+        st = batch.extras["staleness"].float()
+        out = {"rollout/staleness_mean": st.mean(), "rollout/staleness_max": st.max()}
+        for j in range(self.cfg.rollout.max_staleness + 1):
+            out[f"rollout/staleness_frac_{j}"] = (st == j).float().mean()
+        return out
 
     def _samples(self, completions, rewards, batch, examples) -> list[dict[str, Any]]:
         n = min(self.cfg.log.samples_per_step, len(completions))
@@ -442,7 +514,9 @@ class Trainer:
         return result
 
     def save(self) -> Path:
-        state = {"sampler_position": self.sampler.position, "skipped_steps": self.skipped_steps}
+        # async: the position after the last trained batch, so a resume draws the in-flight batches again
+        position = self.rollouts.trained_position if self.rollouts is not None else self.sampler.position
+        state = {"sampler_position": position, "skipped_steps": self.skipped_steps}
         return save_training_checkpoint(self.dist, self.run_dir, self.step_idx, model=self.model, optimizer=self.optimizer,
                                          scheduler=self.scheduler, trainer_state=state,
                                          keep=self.cfg.train.keep_checkpoints)  # under torchrun: rank 0 writes
@@ -488,7 +562,8 @@ def make_optimizer(params: list[Tensor], **hyper) -> torch.optim.AdamW:
 class _Accumulator:
     """Sums per-micro-batch stats as tensors; `result` divides once (no host sync until the step ends)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, max_staleness: int | None = None) -> None:
+        self.max_staleness = max_staleness  # async: also the mismatch and masked fraction per staleness 0..k
         self.sums: dict[str, Tensor] = {}
         self.weights: dict[str, Tensor] = {}
         self.ratio_max = torch.zeros((), device=device)
@@ -514,6 +589,11 @@ class _Accumulator:
         self.ratio_max = torch.maximum(self.ratio_max, stats["ratio_max"].float())
         if "masked_mu_hist" in stats:
             self.hist += stats["masked_mu_hist"]
+        if "masked_by_staleness" in stats:
+            n = stats["n_by_staleness"]
+            frac = stats["masked_by_staleness"] / n.clamp(min=1)
+            for j in range(n.shape[0]):
+                self._add(f"trust_region/masked_frac_stale_{j}", frac[j], n[j])
 
     def add_mismatch(self, batch: RolloutBatch, micro: Tensor, scores) -> None:
         mask = batch.response_mask[micro]
@@ -529,6 +609,11 @@ class _Accumulator:
             self._add("mismatch/topk_kl_mean", sel(topk_kl(scores.topk_logp, batch.topk_logp[micro], valid)), n)
         if scores.entropy is not None:
             self._add("policy/entropy", sel(scores.entropy), n)
+        if self.max_staleness is not None:
+            tv = torch.where(mask, binary_tv(logp, mu), torch.zeros_like(logp))
+            total, count = _per_staleness(tv, mask, batch.extras["staleness"][micro], self.max_staleness)
+            for j in range(count.shape[0]):
+                self._add(f"mismatch/binary_tv_stale_{j}", total[j] / count[j].clamp(min=1), count[j])
 
     def add_grad_norm(self, grad_norm: Tensor, loss_finite: Tensor) -> None:
         self.grad_norms.append(grad_norm.float())
@@ -553,6 +638,12 @@ def _masked_mu_histogram(keep: Tensor, rollout_logp: Tensor, mask: Tensor) -> Te
     with torch.no_grad():
         bucket = torch.bucketize(rollout_logp.float().exp(), torch.tensor(MU_BUCKETS, device=rollout_logp.device))
         return torch.bincount(bucket[(~keep) & mask], minlength=len(MU_BUCKETS) + 1).float()
+
+
+def _per_staleness(values: Tensor, mask: Tensor, staleness: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Sums of `values` [b, T] over masked tokens, and token counts, of the responses of staleness 0..k ([k+1] each)."""
+    onehot = (staleness[:, None] == torch.arange(k + 1, device=staleness.device)[None, :]).float()  # [b, k+1]
+    return values.float().sum(-1) @ onehot, mask.float().sum(-1) @ onehot
 
 
 def _prompt_text(prompt) -> str:

@@ -1,0 +1,103 @@
+"""A rollout worker: one engine in its own process (or Ray actor), with versioned weights.
+
+The trainer sends `Request`s (prompts + sampling parameters of one share of a step's batch); the worker answers
+each with a `Result` holding the engine's rollouts, every one stamped with the **published weight version** it
+was sampled under (`Rollout.weight_version`: the number of optimiser steps behind those weights). Between two
+requests the worker loads the newest published weights, so a request submitted when version v was published is
+sampled with version >= v: that is what bounds the staleness (dppo.train.async_rollouts).
+
+`WorkerCore` holds the engine and does the work; the transports (`dppo.rollout.remote.local`,
+`dppo.rollout.remote.ray_actors`) only move requests, results and weights. The engine is built from the run's
+`Config` exactly as the synchronous trainer builds its own (`dppo.train.build.build_engine`), on the worker's
+device, so fp8, LoRA-merged weights and the engine choice behave the same in both modes; its weights are then
+replaced by the published ones before the first request.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from dppo.rollout.base import Prompt, Rollout, SamplingParams
+
+
+@dataclass
+class Request:
+    """One share of a step's prompts for one worker."""
+
+    id: int
+    step: int
+    """The training step whose batch this is (-1 for evaluation)."""
+    prompts: Sequence[Prompt]
+    params: SamplingParams
+
+
+@dataclass
+class Result:
+    """The answer to a request (or to the start-up handshake, id -1)."""
+
+    id: int
+    worker: int
+    rollouts: list[Rollout] = field(default_factory=list)
+    error: str | None = None
+    """The worker's traceback when the request failed (the trainer raises it, naming the worker)."""
+    version: int = -1
+    """The weight version the request was sampled under."""
+    busy_s: float = 0.0
+    """Seconds spent generating this request."""
+    load_s: float = 0.0
+    """Seconds spent loading newer weights before it."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def worker_threads(requested: int, cpu_workers: int) -> int:
+    """CPU threads per CPU worker: `requested`, or (0) the cores shared between the trainer and the CPU workers."""
+    if requested:
+        return requested
+    return max(1, (os.cpu_count() or 1) // (cpu_workers + 1))
+
+
+class WorkerCore:
+    """The engine of worker `index` on `device`, built from the run's config, with versioned weight loading."""
+
+    def __init__(self, cfg, index: int, device: str, threads: int) -> None:
+        from dppo.train.build import build_engine, build_model
+        from dppo.train.config import replace
+
+        if device == "cpu":
+            torch.set_num_threads(threads)
+        self.index, self.device = index, device
+        cfg = replace(cfg, model={"device": device, "gradient_checkpointing": False})
+        model, tokenizer, path = build_model(cfg, None)
+        self.engine = build_engine(cfg, model, tokenizer, path, seed_offset=index)
+        del model
+        self.version = -1
+
+    def load(self, version: int, weights) -> float:
+        """Load published weights `version` (a state dict); returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.engine.load_weights(weights)
+        self.version = version
+        return time.perf_counter() - t0
+
+    def run(self, request: Request, load_s: float = 0.0) -> Result:
+        """Generate one request; an exception becomes a Result carrying its traceback."""
+        t0 = time.perf_counter()
+        try:
+            rollouts = self.engine.generate(request.prompts, request.params)
+        except Exception:  # noqa: BLE001 - reported to the trainer, which raises it naming this worker
+            return Result(request.id, self.index, error=traceback.format_exc(), version=self.version)
+        for r in rollouts:
+            r.weight_version = self.version
+        return Result(request.id, self.index, rollouts, version=self.version, busy_s=time.perf_counter() - t0,
+                      load_s=load_s)
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()

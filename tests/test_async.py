@@ -1,0 +1,293 @@
+"""Asynchronous rollouts (`rollout.mode async`): workers in their own processes, bounded staleness, the recorded µ of
+every response equal to the distribution of the weight version it names, lifecycle and faults, and a Ray cluster
+of two nodes simulated on this machine.
+
+Every run here uses the hf engine in float32 and one thread per process, so that sync and async compute the same
+numbers and a recomputed µ can be compared at float32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from dppo.rollout.remote import WorkerError
+from dppo.train.config import ConfigError, replace
+from dppo.train.presets import get_preset
+from dppo.train.scoring import score_responses_reference
+from dppo.train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cfg(tmp_path, *, mode="async", steps=4, **rollout):
+    extra = {"max_staleness": 1, "worker_threads": 1, "worker_timeout_s": 60.0} if mode == "async" else {}
+    return replace(get_preset("smoke"), rollout={"engine": "hf", "dtype": "float32", "mode": mode, **extra, **rollout},
+                   train={"threads": 1, "steps": steps, "eval_before": False},
+                   log={"run_dir": str(tmp_path), "tensorboard": False, "progress": False})
+
+
+def _weights(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+class _Recording(Trainer):
+    """Keeps every published weight version and every trained batch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.versions: dict[int, dict] = {}
+        self.batches: list[tuple[int, object]] = []
+        super().__init__(*args, **kwargs)
+
+    def _engine_state(self):
+        state = super()._engine_state()
+        version = self.step_idx + (1 if self.rollouts is not None else 0)  # at start: version step_idx
+        self.versions[version] = {k: v.detach().clone() for k, v in state.items()}
+        return state
+
+    def _update(self, batch, adv, old, timer=None):
+        self.batches.append((self.step_idx, batch))
+        return super()._update(batch, adv, old, timer)
+
+
+def test_async_with_staleness_0_equals_sync(tmp_path):
+    runs = {}
+    for mode in ("sync", "async"):
+        trainer = Trainer(_cfg(tmp_path / mode, mode=mode, **({"max_staleness": 0} if mode == "async" else {})),
+                          tmp_path / mode)
+        try:
+            metrics = [trainer.step() for _ in range(3)]
+            runs[mode] = (_weights(trainer.model), metrics)
+        finally:
+            trainer.close()
+    assert torch.equal(runs["sync"][0], runs["async"][0])
+    for sync, async_ in zip(runs["sync"][1], runs["async"][1]):
+        for key in ("reward/mean", "loss/policy", "mismatch/binary_tv_mean", "optim/grad_norm", "response/length_mean"):
+            assert sync[key] == async_[key], key
+        assert async_["rollout/staleness_max"] == 0.0
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_no_trained_response_is_staler_than_k_and_mu_is_its_versions_distribution(tmp_path, k):
+    trainer = _Recording(_cfg(tmp_path, max_staleness=k, steps=5), tmp_path)
+    try:
+        metrics = [trainer.step() for _ in range(5)]
+        # the version each response names, recomputed in fp32 from that version's weights: the recorded µ
+        model, temperature = trainer.model, trainer.cfg.rollout.temperature
+        live = {n: p.detach().clone() for n, p in model.state_dict().items()}
+        seen = set()
+        for step, batch in trainer.batches:
+            staleness = step - batch.weight_version
+            assert int(staleness.min()) >= 0 and int(staleness.max()) <= k
+            assert torch.equal(batch.extras["staleness"].cpu(), staleness)
+            for version in batch.weight_version.unique().tolist():
+                seen.add(step - version)
+                rows = (batch.weight_version == version).nonzero().squeeze(1)
+                model.load_state_dict(trainer.versions[version])
+                with torch.no_grad():
+                    ref = score_responses_reference(model, [batch.prompt_ids[i] for i in rows.tolist()],
+                                                    batch.response_ids[rows], batch.response_mask[rows],
+                                                    temperature=temperature)
+                mask = batch.response_mask[rows]
+                assert torch.allclose(ref.logp[mask], batch.rollout_logp[rows][mask], rtol=0, atol=2e-5)
+        model.load_state_dict(live)
+    finally:
+        trainer.close()
+    assert seen == set(range(k + 1))  # every staleness 0..k occurred: the workers really sampled ahead
+    for m in metrics:
+        assert m["rollout/staleness_max"] <= k
+        for j in range(k + 1):  # a staleness held by every response: its mismatch and masking are the batch's
+            if m[f"rollout/staleness_frac_{j}"] == 1.0:
+                assert m[f"mismatch/binary_tv_stale_{j}"] == pytest.approx(m["mismatch/binary_tv_mean"], rel=1e-5)
+                assert m[f"trust_region/masked_frac_stale_{j}"] == pytest.approx(m["trust_region/masked_frac"], abs=1e-7)
+    assert metrics[-1]["rollout/staleness_mean"] == k and metrics[-1]["mismatch/binary_tv_mean"] > 0
+    assert all(0 <= m["async/trainer_idle_frac"] <= 1 and 0 <= m["async/worker_idle_frac"] <= 1 for m in metrics)
+
+
+def test_two_workers_share_the_batch_and_sample_differently(tmp_path):
+    trainer = _Recording(_cfg(tmp_path, devices="cpu,cpu", steps=2), tmp_path)
+    try:
+        assert len(set(trainer.rollouts.pool.pids)) == 2
+        trainer.step()
+        _, batch = trainer.batches[0]
+        P, G = trainer.cfg.rollout.prompts_per_step, trainer.cfg.rollout.group_size
+        assert batch.prompt_index.tolist() == [i // G for i in range(P * G)]
+        assert trainer.evaluate()["n"] > 0  # evaluation goes through the workers too
+    finally:
+        trainer.close()
+
+
+def test_checkpoint_keeps_the_trained_position_and_resume_resamples_in_flight_batches(tmp_path):
+    cfg = _cfg(tmp_path, max_staleness=2, steps=2)
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        trainer.train()
+        P = cfg.rollout.prompts_per_step
+        assert trainer.sampler.position == 4 * P  # drawn: steps 0..3 (2 steps trained, 2 in flight)
+    finally:
+        trainer.close()
+    resumed = Trainer(replace(cfg, train={"steps": 3}), tmp_path, resume=True)
+    try:
+        assert resumed.step_idx == 2 and resumed.sampler.position >= 2 * P
+        assert resumed.rollouts.trained_position == 2 * P
+        resumed.step()
+        assert resumed.rollouts.trained_position == 3 * P
+    finally:
+        resumed.close()
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("rollout, field, message", [
+    ({"max_staleness": -1}, "rollout.max_staleness", "expected >= 0"),
+    ({"devices": "tpu:0"}, "rollout.devices", "is not a device"),
+    ({"devices": "cpu,cpu,cpu", "prompts_per_step": 2}, "rollout.devices", "3 rollout workers"),
+    ({"engine_lag": 1}, "rollout.engine_lag", "rollout.max_staleness"),
+    ({"worker_timeout_s": 0}, "rollout.worker_timeout_s", "expected > 0"),
+    ({"mode": "sync", "devices": "cpu"}, "rollout.devices", "needs rollout.mode async"),
+])
+def test_bad_async_settings_name_the_field(tmp_path, rollout, field, message):
+    with pytest.raises(ConfigError, match=rf"^{field}: .*{message}"):
+        _cfg(tmp_path, **rollout)
+
+
+def test_missing_devices_and_engines_without_weights_fail_before_any_model_loads(tmp_path, monkeypatch):
+    import dppo.rollout
+    import dppo.train.trainer as trainer_module
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(trainer_module, "build_model", no_model)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^rollout\.devices: 'cuda:3' does not exist on this machine"):
+            Trainer(_cfg(tmp_path, devices="cuda:3"), tmp_path)
+    monkeypatch.setitem(dppo.rollout.ENGINES, "hf", "builtins:object")  # an engine class with no load_weights
+    with pytest.raises(ConfigError, match=r"^rollout\.engine: 'hf' cannot receive weights"):
+        Trainer(_cfg(tmp_path), tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- faults, lifecycle
+def test_a_killed_worker_is_named_and_nothing_hangs(tmp_path):
+    trainer = Trainer(_cfg(tmp_path, steps=4), tmp_path)
+    try:
+        trainer.step()
+        pid = trainer.rollouts.pool.pids[0]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=rf"rollout worker 0 \(cpu, pid {pid}\) died \(pid {pid}, exit code -9\)"):
+            for _ in range(3):
+                trainer.step()
+        assert time.monotonic() - t0 < 10
+    finally:
+        trainer.close()
+
+
+def test_a_hung_worker_is_reported_after_the_timeout(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPPO_FAULT_INJECT", "worker_hang@3")  # the worker's request of step 3 never returns
+    trainer = Trainer(_cfg(tmp_path, steps=4, max_staleness=0), tmp_path)
+    trainer.rollouts.pool.timeout_s = 3.0  # rollout.worker_timeout_s, shortened once the worker has started
+    try:
+        trainer.step()
+        trainer.step()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"rollout worker 0 \(cpu, pid \d+\) returned nothing for 3 s"):
+            trainer.step()
+        assert 2.5 < time.monotonic() - t0 < 15
+        pid = trainer.rollouts.pool.pids[0]
+    finally:
+        trainer.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _workers_of(proc: subprocess.Popen, deadline_s: float = 90) -> list[psutil.Process]:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        kids = [c for c in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+        if kids:
+            return kids
+        time.sleep(0.1)
+    raise AssertionError("no rollout worker process appeared")
+
+
+def _train_cmd(run: Path) -> list[str]:
+    return [sys.executable, "-m", "dppo.cli", "train", "--preset", "smoke", "--train.steps", "400", "--run-dir",
+            str(run), "--log.no-progress", "--log.no-tensorboard", "--train.no-eval-before", "--rollout.mode", "async",
+            "--rollout.engine", "hf", "--rollout.dtype", "float32", "--train.threads", "1"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_no_worker_outlives_the_trainer(tmp_path, sig):
+    """SIGTERM: the trainer checkpoints, stops its workers and exits 0. SIGKILL: the kernel kills the workers."""
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(_train_cmd(run), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        workers = _workers_of(proc)
+        deadline = time.monotonic() + 90
+        while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no step logged"
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 0, err
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["stopped_early"] and (run / "checkpoints" / f"step_{summary['step']:06d}" / "COMPLETE").is_file()
+    deadline = time.monotonic() + 10
+    while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [w.pid for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+
+
+# ---------------------------------------------------------------------------------------------- Ray
+@pytest.mark.slow
+def test_ray_workers_on_two_nodes(tmp_path):
+    """Two Ray nodes on this machine (one CPU each): one worker lands on each, the staleness bound holds, and the
+    recorded µ is each version's distribution."""
+    pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    try:
+        cfg = _cfg(tmp_path, backend="ray", ray_address=cluster.address, devices="cpu,cpu", steps=3)
+        trainer = _Recording(cfg, tmp_path)
+        try:
+            nodes = {info["node"] for info in trainer.rollouts.pool.info}
+            assert len(nodes) == 2, trainer.rollouts.pool.info
+            metrics = [trainer.step() for _ in range(3)]
+            assert max(m["rollout/staleness_max"] for m in metrics) == 1
+            step, batch = trainer.batches[-1]
+            version = int(batch.weight_version[0])
+            rows = (batch.weight_version == version).nonzero().squeeze(1)
+            live = {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
+            trainer.model.load_state_dict(trainer.versions[version])
+            with torch.no_grad():
+                ref = score_responses_reference(trainer.model, [batch.prompt_ids[i] for i in rows.tolist()],
+                                                batch.response_ids[rows], batch.response_mask[rows])
+            trainer.model.load_state_dict(live)
+            mask = batch.response_mask[rows]
+            assert torch.allclose(ref.logp[mask], batch.rollout_logp[rows][mask], rtol=0, atol=2e-5)
+        finally:
+            trainer.close()
+    finally:
+        import ray
+
+        ray.shutdown()
+        cluster.shutdown()
