@@ -291,3 +291,77 @@ def test_ray_workers_on_two_nodes(tmp_path):
 
         ray.shutdown()
         cluster.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- in-flight updates
+def test_an_in_flight_update_rebuilds_the_cache_and_each_token_names_its_weights(make_tiny_model, tokenizer, chat_prompts):
+    """The engine loads new weights after the first decode chunk (8 tokens): the tokens before are sampled from the
+    old weights' distribution, the ones after from the new weights' (the KV cache recomputed), each token's
+    version is recorded, and µ at every position is the distribution of the weights that sampled it."""
+    from dppo.rollout import SamplingParams
+    from dppo.rollout.hf import HFEngine
+    from dppo.train.batch import collate
+
+    old, new = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    engine = HFEngine(old, tokenizer, dtype=torch.float32, seed=0)
+    calls = []
+
+    def poll():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            engine.load_weights(new)
+            return True
+        return False
+
+    engine.between_chunks = poll
+    params = SamplingParams(n=2, max_new_tokens=20, seed=3)
+    rollouts = engine.generate(chat_prompts, params)
+    batch = collate(rollouts, pad_id=engine.pad_id)
+    versions = batch.extras["token_version"]
+    long = batch.response_lengths > 8
+    assert calls and bool(long.any())
+    assert (versions[:, :8][batch.response_mask[:, :8]] == 0).all()
+    assert (versions[:, 8:][batch.response_mask[:, 8:]] == 1).all() and bool((versions == 1).any())
+    assert (batch.weight_version == 0).all()
+    for model, version in ((old, 0), (new, 1)):
+        with torch.no_grad():
+            ref = score_responses_reference(model, batch.prompt_ids, batch.response_ids, batch.response_mask)
+        at = batch.response_mask & (versions == version)
+        assert torch.allclose(ref.logp[at], batch.rollout_logp[at], rtol=0, atol=2e-5)
+        other = batch.response_mask & (versions != version)
+        assert (ref.logp[other] - batch.rollout_logp[other]).abs().max() > 1e-3  # the two models really differ
+
+
+def test_trainer_with_in_flight_updates_records_every_tokens_version(tmp_path):
+    """48-token responses and one mini-batch: generating a batch takes longer than training one, so new versions
+    arrive while responses are being decoded (measured: about a third of the tokens after step 1)."""
+    cfg = replace(_cfg(tmp_path, max_staleness=1, steps=4, in_flight_updates=True, max_new_tokens=48),
+                  train={"mini_batches": 1})
+    trainer = _Recording(cfg, tmp_path)
+    try:
+        for _ in range(4):
+            trainer.step()
+        model, live = trainer.model, {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
+        for step, batch in trainer.batches:
+            versions = batch.extras["token_version"]
+            assert int((step - batch.weight_version).max()) <= 1
+            assert (versions[batch.response_mask] >= batch.weight_version[:, None].expand_as(versions)[batch.response_mask]).all()
+            for version in versions[batch.response_mask].unique().tolist():
+                model.load_state_dict(trainer.versions[version])
+                with torch.no_grad():
+                    ref = score_responses_reference(model, batch.prompt_ids, batch.response_ids, batch.response_mask)
+                at = batch.response_mask & (versions == version)
+                assert torch.allclose(ref.logp[at], batch.rollout_logp[at], rtol=0, atol=2e-5)
+        model.load_state_dict(live)
+        newer = sum(int(((b.extras["token_version"] > b.weight_version[:, None]) & b.response_mask).sum())
+                    for _, b in trainer.batches)
+        assert newer > 0  # some responses really spanned two versions
+    finally:
+        trainer.close()
+
+
+def test_in_flight_updates_need_the_local_hf_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"^rollout\.in_flight_updates: needs rollout\.backend local"):
+        _cfg(tmp_path, in_flight_updates=True, backend="ray")
+    with pytest.raises(ConfigError, match=r"^rollout\.in_flight_updates: needs rollout\.mode async"):
+        _cfg(tmp_path, mode="sync", in_flight_updates=True)

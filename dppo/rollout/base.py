@@ -74,7 +74,11 @@ class Rollout:
     """[T] float32, log µ(a_t|s_t) of the temperature-scaled distribution sampled from."""
     finish_reason: FinishReason
     weight_version: int = 0
-    """The engine's weight version (incremented by every `load_weights`)."""
+    """The engine's weight version when this response started (incremented by every `load_weights`; an async
+    rollout worker sets it to the published version: optimiser steps behind the weights)."""
+    token_versions: Tensor | None = None
+    """[T] int64: the weight version that sampled each token (differs from `weight_version` only after an
+    in-flight weight update, rollout.in_flight_updates; engines that do not record it leave None)."""
     topk_ids: Tensor | None = None
     """[T, K+1] int64: µ's top-K ids sorted by µ descending, then the sampled id if not among them (else 0)."""
     topk_logp: Tensor | None = None

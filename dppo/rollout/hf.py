@@ -21,13 +21,15 @@ How it samples (one `generate` call):
   `rollout_logp` is the log-prob under the truncated, renormalised distribution that was actually sampled.
 
 The engine holds its own copy of the weights (in `dtype` if given, else the model's dtype);
-`load_weights` copies new weights into it in place and increments `weight_version`.
+`load_weights` copies new weights into it in place and increments `weight_version`. With `between_chunks` set
+(in-flight weight updates of an asynchronous rollout worker), new weights can arrive between decode chunks; the
+engine then recomputes the unfinished responses' KV cache under them and records each token's weight version.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from copy import deepcopy as copy_module
 
 import torch
@@ -87,6 +89,11 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.max_batch_rows = max_batch_rows
         self.weight_version = 0
+        self.between_chunks: Callable[[], bool] | None = None
+        """In-flight weight updates: called every 8 decoded tokens; when it returns True it has loaded new weights
+        (via `load_weights`), and the engine recomputes the KV cache of every unfinished response under them, so
+        each later token is sampled from the new weights' exact distribution (`Rollout.token_versions` says
+        which weights sampled each token)."""
         self.max_logprobs = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = getattr(model.config, "max_position_embeddings", None)
         self._generator = torch.Generator().manual_seed(seed)
@@ -167,6 +174,7 @@ class HFEngine:
         topk_logp = torch.zeros((B, T, K), dtype=torch.float32, device=device) if K else None
         rows = torch.arange(B, device=device)  # original row of each active row
         finished = torch.zeros(B, dtype=torch.bool, device=device)
+        versions = torch.full((B, T), self.weight_version, dtype=torch.long, device=device)
         for t in range(T):
             tok, tok_logp, top = _sample_step(logits, uniforms[rows, t], params)
             tokens[rows, t], logp[rows, t] = tok, tok_logp
@@ -184,12 +192,33 @@ class HFEngine:
                     cache.batch_select_indices(keep)
                     rows, tok, attn, next_pos = rows[keep], tok[keep], attn[keep], next_pos[keep]
                     finished = finished[keep]
+                if self.between_chunks is not None and self.between_chunks():  # new weights: rebuild the cache
+                    versions[rows, t + 1:] = self.weight_version
+                    logits, cache, attn = self._reprefill(prompt_ids, params.n, rows, tokens[rows, :t + 1], T - t - 1)
+                    next_pos = attn.sum(-1, keepdim=True)
+                    continue
             attn = torch.cat([attn, attn.new_ones((len(rows), 1))], dim=1)
             out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, past_key_values=cache,
                         use_cache=True)
             logits, cache = out.logits[:, -1], out.past_key_values
             next_pos = next_pos + 1
-        return tokens, logp, (topk_ids, topk_logp) if K else None
+        return tokens, logp, (topk_ids, topk_logp) if K else None, versions
+
+    def _reprefill(self, prompt_ids: list[list[int]], n: int, rows: Tensor, generated: Tensor, extra: int):
+        """The KV cache, last logits and attention mask of the responses `rows` (prompt + `generated` so far),
+        computed afresh by the current weights: one left-padded forward."""
+        seqs = [prompt_ids[r // n] + g for r, g in zip(rows.tolist(), generated.tolist())]
+        L = max(len(q) for q in seqs)
+        input_ids = torch.full((len(seqs), L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(seqs), L), dtype=torch.long)
+        for i, q in enumerate(seqs):
+            input_ids[i, L - len(q):] = torch.tensor(q)
+            attn[i, L - len(q):] = 1
+        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
+        cache = _make_cache(self.model, capacity=L + extra)
+        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1], out.past_key_values, attn
 
     def _prefill(self, prompt_ids: list[list[int]], n: int, *, capacity_extra: int):
         """One left-padded forward over the DISTINCT prompts; returns the last-position logits [B, V], the KV
@@ -214,8 +243,9 @@ class HFEngine:
 
     def _to_rollouts(self, prompt_ids, start, params, out, stop_ids) -> list[Rollout]:
         """Cut each row at its first stop token and build the Rollout objects (one host transfer)."""
-        tokens, logp, top = out
+        tokens, logp, top, versions = out
         T = tokens.shape[1]
+        versions = versions.cpu()
         is_stop = torch.isin(tokens, stop_ids)
         lengths = torch.where(is_stop.any(-1), is_stop.int().argmax(-1) + 1, T)
         last = tokens.gather(1, (lengths - 1)[:, None])[:, 0]
@@ -237,7 +267,8 @@ class HFEngine:
                     response_ids=tokens[b, :length].clone(),
                     rollout_logp=logp[b, :length].clone(),
                     finish_reason=reason,
-                    weight_version=self.weight_version,
+                    weight_version=int(versions[b, 0]),
+                    token_versions=versions[b, :length].clone(),
                     topk_ids=topk_ids[b, :length].clone() if top is not None else None,
                     topk_logp=topk_logp[b, :length].clone() if top is not None else None,
                     topk_valid=topk_valid[b, :length].clone() if top is not None else None,

@@ -7,7 +7,8 @@ K+1 = µ's top-K plus the sampled token's slot):
 - `prompt_index`: [B] int64, the prompt of each response within the step
 - `response_ids` [B, T] int64 (padded with pad_id), `response_mask` [B, T] bool (True = real token, a prefix)
 - `rollout_logp` [B, T] float32: log µ(a_t|s_t) recorded by the engine (0 at padding)
-- `weight_version` [B] int64: the engine weights each response was sampled under
+- `weight_version` [B] int64: the engine weights each response was sampled under (started under)
+- `extras["token_version"]` [B, T] int64: the weights of each token, where the engine records it
 - `topk_ids`, `topk_logp`, `topk_valid` [B, T, K+1]: µ's top-K cells (None without top-K capture)
 """
 
@@ -89,6 +90,12 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
             topk_ids[i, :n] = r.topk_ids
             topk_logp[i, :n] = r.topk_logp
             topk_valid[i, :n] = r.topk_valid
+    extras = {}
+    if all(r.token_versions is not None for r in rollouts):  # [B, T]: the weight version of each token
+        versions = torch.zeros((B, T), dtype=torch.long)
+        for i, r in enumerate(rollouts):
+            versions[i, :r.token_versions.numel()] = r.token_versions
+        extras["token_version"] = versions
     return RolloutBatch(
         prompt_ids=[r.prompt_ids for r in rollouts],
         prompt_index=torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long),
@@ -100,4 +107,5 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
         topk_ids=topk_ids if has_topk else None,
         topk_logp=topk_logp if has_topk else None,
         topk_valid=topk_valid if has_topk else None,
+        extras=extras,
     )

@@ -121,6 +121,9 @@ class RolloutConfig:
     """backend ray: the cluster to join ('auto', 'host:port'); '' = start a Ray instance on this machine."""
     worker_threads: int = 0
     """async: CPU threads of each CPU worker; 0 = the cores divided between the trainer and the CPU workers."""
+    in_flight_updates: bool = False
+    """async, local backend, hf engine: a worker also loads newer weights between decode chunks (every 8 tokens)
+    of a response, recomputing its KV cache, so a response can span versions (each token records its own)."""
     worker_timeout_s: float = 600.0
     """async: a worker that returns nothing for this long (starting included) is reported as hung, by index."""
     vllm_kv_cache_gb: float = 2.0
@@ -143,7 +146,9 @@ class RolloutConfig:
         if self.mode == "async" and self.engine_lag:
             _fail("rollout.engine_lag", "is the synchronous stand-in for staleness; with rollout.mode async use "
                                         "rollout.max_staleness")
-        for name in ("devices", "backend", "ray_address"):
+        if self.in_flight_updates and (self.backend != "local" or self.quantization != "none" or self.engine == "vllm"):
+            _fail("rollout.in_flight_updates", "needs rollout.backend local, the hf engine and rollout.quantization none")
+        for name in ("devices", "backend", "ray_address", "in_flight_updates"):
             if self.mode == "sync" and getattr(self, name) != getattr(RolloutConfig, name):
                 _fail(f"rollout.{name}", "needs rollout.mode async")
         for device in self.device_list:

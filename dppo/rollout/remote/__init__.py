@@ -47,6 +47,9 @@ def check_async(cfg, trainer_device: torch.device) -> None:
                     raise ConfigError(f"rollout.devices: {device!r} does not exist on this machine "
                                       f"({gpus} CUDA device(s))")
     engine, _, _ = resolve_rollout(cfg)
+    if r.in_flight_updates and engine.value != "hf":
+        raise ConfigError(f"rollout.in_flight_updates: needs the hf engine (rollout.engine auto chose {engine.value!r} "
+                          f"here; set rollout.engine hf)")
     cls = engine_class(engine.value)
     if not callable(getattr(cls, "load_weights", None)):
         raise ConfigError(f"rollout.engine: {engine.value!r} cannot receive weights (no load_weights), which "

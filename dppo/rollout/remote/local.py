@@ -72,6 +72,8 @@ def _worker_main(cfg, index, device, threads, shared, version, lock, requests, r
     try:
         core = WorkerCore(cfg, index, device, threads)
         _load_latest(core, shared, version, lock)
+        if cfg.rollout.in_flight_updates:
+            core.enable_in_flight(lambda: _load_latest(core, shared, version, lock) > 0)
     except BaseException:  # noqa: BLE001 - reported to the trainer
         results.put(pickle.dumps(Result(-1, index, error=traceback.format_exc())))
         return

@@ -77,25 +77,40 @@ class WorkerCore:
         self.engine = build_engine(cfg, model, tokenizer, path, seed_offset=index)
         del model
         self.version = -1
+        self.generating, self.in_flight_load_s = False, 0.0
 
     def load(self, version: int, weights) -> float:
         """Load published weights `version` (a state dict); returns the seconds it took."""
         t0 = time.perf_counter()
         self.engine.load_weights(weights)
-        self.version = version
-        return time.perf_counter() - t0
+        self.version = self.engine.weight_version = version  # the rollouts carry the published version
+        seconds = time.perf_counter() - t0
+        self.in_flight_load_s += seconds if self.generating else 0.0
+        return seconds
+
+    def enable_in_flight(self, poll) -> None:
+        """In-flight updates: `poll()` (which loads newer weights through `load` if any, returning True when it did)
+        is called by the engine between decode chunks."""
+        self.engine.between_chunks = poll
 
     def run(self, request: Request, load_s: float = 0.0) -> Result:
         """Generate one request; an exception becomes a Result carrying its traceback."""
-        t0 = time.perf_counter()
+        t0, start_version = time.perf_counter(), self.version
+        self.generating, self.in_flight_load_s = True, 0.0
         try:
             rollouts = self.engine.generate(request.prompts, request.params)
         except Exception:  # noqa: BLE001 - reported to the trainer, which raises it naming this worker
             return Result(request.id, self.index, error=traceback.format_exc(), version=self.version)
-        for r in rollouts:
-            r.weight_version = self.version
-        return Result(request.id, self.index, rollouts, version=self.version, busy_s=time.perf_counter() - t0,
-                      load_s=load_s)
+        finally:
+            self.generating = False
+        in_flight = getattr(self.engine, "between_chunks", None) is not None
+        for r in rollouts:  # the version that started each response (in-flight updates: token_versions say more)
+            r.weight_version = start_version
+            if r.token_versions is not None and not in_flight:  # (an engine's own count, e.g. under fp8's wrapper)
+                r.token_versions.fill_(start_version)
+        load_s += self.in_flight_load_s
+        return Result(request.id, self.index, rollouts, version=start_version,
+                      busy_s=time.perf_counter() - t0 - self.in_flight_load_s, load_s=load_s)
 
     def close(self) -> None:
         close = getattr(self.engine, "close", None)
