@@ -154,11 +154,6 @@ class RolloutConfig:
         for device in self.device_list:
             if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
                 _fail("rollout.devices", f"{device!r} is not a device (expected cpu, cuda or cuda:N, comma-separated)")
-
-    @property
-    def device_list(self) -> list[str]:
-        """The rollout workers' devices (async), one entry per worker; [] = one worker on the trainer's device."""
-        return [d.strip() for d in self.devices.split(",")] if self.devices.strip() else []
         if self.fp8_activations and self.quantization != "fp8":
             _fail("rollout.fp8_activations", "needs rollout.quantization fp8")
         if self.fp8_activations and self.engine == "vllm":
@@ -169,6 +164,11 @@ class RolloutConfig:
             _fail("rollout.top_k_logprobs", f"expected >= 0, got {self.top_k_logprobs}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             _fail("rollout.vllm_gpu_memory_utilization", f"expected in (0, 1], got {self.vllm_gpu_memory_utilization}")
+
+    @property
+    def device_list(self) -> list[str]:
+        """The rollout workers' devices (async), one entry per worker; [] = one worker on the trainer's device."""
+        return [d.strip() for d in self.devices.split(",")] if self.devices.strip() else []
 
 
 @dataclass(frozen=True)
