@@ -205,9 +205,24 @@ class HFEngine:
         return tokens, logp, (topk_ids, topk_logp) if K else None, versions
 
     def _reprefill(self, prompt_ids: list[list[int]], n: int, rows: Tensor, generated: Tensor, extra: int):
-        """The KV cache, last logits and attention mask of the responses `rows` (prompt + `generated` so far),
+        """The last logits, KV cache and attention mask of the responses `rows` (prompt + `generated` so far),
         computed afresh by the current weights: one left-padded forward."""
         seqs = [prompt_ids[r // n] + g for r, g in zip(rows.tolist(), generated.tolist())]
+        return self._forward_left_padded(seqs, extra)
+
+    def _prefill(self, prompt_ids: list[list[int]], n: int, *, capacity_extra: int):
+        """One left-padded forward over the DISTINCT prompts; returns the last-position logits [B, V], the KV
+        cache and the attention mask [B, L], expanded to the B = len(prompt_ids) * n rows (prompt-major)."""
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
+        logits, cache, attn = self._forward_left_padded([list(p) for p in distinct], capacity_extra)
+        row_source = torch.tensor(source, device=self.device).repeat_interleave(n)
+        cache.batch_select_indices(row_source)  # rows share their prompt's prefill
+        return logits[row_source], cache, attn[row_source]
+
+    def _forward_left_padded(self, seqs: list[list[int]], capacity_extra: int):
+        """One forward over `seqs` left-padded to a common length L, into a KV cache with room for `capacity_extra`
+        more positions; returns the last-position logits [N, V], the cache and the attention mask [N, L]."""
         L = max(len(q) for q in seqs)
         input_ids = torch.full((len(seqs), L), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(seqs), L), dtype=torch.long)
@@ -215,31 +230,11 @@ class HFEngine:
             input_ids[i, L - len(q):] = torch.tensor(q)
             attn[i, L - len(q):] = 1
         input_ids, attn = input_ids.to(self.device), attn.to(self.device)
-        cache = _make_cache(self.model, capacity=L + extra)
-        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1], out.past_key_values, attn
-
-    def _prefill(self, prompt_ids: list[list[int]], n: int, *, capacity_extra: int):
-        """One left-padded forward over the DISTINCT prompts; returns the last-position logits [B, V], the KV
-        cache and the attention mask [B, L], expanded to the B = len(prompt_ids) * n rows (prompt-major)."""
-        distinct: dict[tuple[int, ...], int] = {}
-        source = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
-        L = max(len(p) for p in distinct)
-        input_ids = torch.full((len(distinct), L), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(distinct), L), dtype=torch.long)
-        for i, p in enumerate(distinct):
-            input_ids[i, L - len(p) :] = torch.tensor(p)
-            attn[i, L - len(p) :] = 1
-        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0 whatever the padding
         cache = _make_cache(self.model, capacity=L + capacity_extra)
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
-        row_source = torch.tensor(source, device=self.device).repeat_interleave(n)
-        cache = out.past_key_values
-        cache.batch_select_indices(row_source)  # rows share their prompt's prefill
-        return out.logits[row_source, -1], cache, attn[row_source]
+        return out.logits[:, -1], out.past_key_values, attn
 
     def _to_rollouts(self, prompt_ids, start, params, out, stop_ids) -> list[Rollout]:
         """Cut each row at its first stop token and build the Rollout objects (one host transfer)."""
