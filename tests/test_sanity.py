@@ -1,5 +1,6 @@
-"""`dppo sanity` (paper Fig. 3 in miniature): the summary functions on hand-made rows, and the 1-seed 2-method
-short version end to end (JSON + PNG written, table rows present, metrics finite)."""
+"""`dppo sanity` (paper Fig. 3 in miniature): the summary functions on hand-made rows, the 1-seed 2-method
+short version end to end (JSON + PNG written, table rows present, metrics finite), and the `reverse` task's
+study (responses of >= 16 tokens)."""
 
 import json
 import math
@@ -266,3 +267,47 @@ def test_mismatch_sources_and_the_fig5_group():
         **SANITY_METHODS["pg-is-neg-mask"], "neg_delta": 0.8, "anchor": "recompute"}
     cfg = sanity_config("m", "r", "pg-is-neg-mask", 0, **{k: v for k, v in parse_mismatch("lag:2").items() if k != "logit_noise"})
     assert cfg.rollout.engine_lag == 2 and cfg.rollout.dtype == "float32" and cfg.loss.trust_region == "pg_is_neg_mask"
+
+
+# ---------------------------------------------------------------------------------------------- long responses
+def test_reverse_task_config_and_warm_start_cache_key(tmp_path):
+    from dppo.studies.sanity import default_max_new_tokens, task_options, warm_start
+
+    cfg = sanity_config("m", "r", "pg-is", 0)
+    assert cfg.task.name == "addition" and json.loads(cfg.task.options) == {"digits": 1}
+    assert cfg.rollout.max_new_tokens == 4  # the addition study as before
+    cfg = sanity_config("m", "r", "pg-is", 0, task="reverse")
+    assert cfg.task.name == "reverse" and json.loads(cfg.task.options) == {"min_len": 16, "max_len": 20}
+    assert cfg.rollout.max_new_tokens == 22  # the longest answer, EOS and one token of slack
+    assert cfg.optim.lr == 1e-4 and sanity_config("m", "r", "pg-is", 0).optim.lr == 3e-4  # per-task default lr
+    longer = sanity_config("m", "r", "pg-is", 0, task="reverse", options={"min_len": 16, "max_len": 30})
+    assert longer.rollout.max_new_tokens == 32
+    assert default_max_new_tokens("reverse", task_options("reverse", max_len=24)) == 26
+    with pytest.raises(ValueError, match=r"task: expected one of addition, reverse, got 'nope'"):
+        sanity_config("m", "r", "pg-is", 0, task="nope")
+    # the warm-start cache key includes the task and its options
+    kw = dict(hidden=32, sft_steps=1, size=8, eval_size=2)
+    folders = [warm_start(tmp_path, **kw), warm_start(tmp_path, task="reverse", **kw),
+               warm_start(tmp_path, task="reverse", options={"min_len": 16, "max_len": 18}, **kw)]
+    assert len(set(folders)) == 3
+    info = json.loads((folders[2] / "warm_start.json").read_text())
+    assert info["task"] == "reverse" and info["options"] == {"min_len": 16, "max_len": 18} and info["batch_size"] == 32
+    assert warm_start(tmp_path, task="reverse", **kw) == folders[1]  # cached
+
+
+def test_reverse_study_trains_on_responses_of_at_least_16_tokens(tmp_path):
+    from dppo.train.plot import read_metrics
+
+    # a small warm start (hidden 64, 100 SFT steps) already answers with the answer's length (16-20 digits + EOS)
+    report = run_sanity(["pg-is"], [0], tmp_path, task="reverse", steps=2, prompts_per_step=8, group_size=4,
+                        mini_batches=2, hidden=64, sft_steps=100, eval_size=8, verbose=False)
+    settings = report["settings"]
+    assert settings["task"] == "reverse" and settings["task_options"] == {"min_len": 16, "max_len": 20}
+    assert settings["max_new_tokens"] == 22
+    rows = read_metrics(tmp_path / "pg-is-seed0")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["response/length_mean"] >= 16 and r["response/length_max"] <= 22, r
+    summary = report["methods"]["pg-is"]["summary"]
+    assert summary["max_mismatch"] is not None and math.isfinite(summary["max_mismatch"])
+    assert cmd_sanity(["--task", "reverse", "--min-len", "0", "--out-dir", str(tmp_path / "bad")]) == 2

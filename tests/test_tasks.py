@@ -19,6 +19,7 @@ SMALL = {
     "countdown": dict(size=4, eval_size=2),
     "gsm_symbolic": dict(size=20, eval_size=5),
     "addition": dict(size=50, eval_size=20),
+    "reverse": dict(size=50, eval_size=20),
     "rg:gcd": dict(size=20, eval_size=5),
     "rg:word_sorting": dict(size=10, eval_size=3),
 }
@@ -53,7 +54,7 @@ def test_task_builds_with_disjoint_nonempty_splits(built, name):
     assert not {question(ex) for ex in train} & {question(ex) for ex in evals}
 
 
-@pytest.mark.parametrize("name", ["chain_sum", "addition"])
+@pytest.mark.parametrize("name", ["chain_sum", "addition", "reverse"])
 def test_task_is_deterministic_under_the_seed(name):
     a, b = make_task(name, **SMALL[name], seed=3), make_task(name, **SMALL[name], seed=3)
     assert [ex.uid for ex in a.train + a.eval] == [ex.uid for ex in b.train + b.eval]
@@ -68,7 +69,7 @@ def test_eval_set_does_not_depend_on_train_size():
     assert [ex.uid for ex in small.eval] == [ex.uid for ex in large.eval]
 
 
-@pytest.mark.parametrize("name", [n for n in SMALL if n != "addition"])
+@pytest.mark.parametrize("name", [n for n in SMALL if n not in ("addition", "reverse")])
 def test_reasoning_gym_scorer_accepts_gold_answers(built, name):
     task = built[name]
     assert task.reward is REWARDS["reasoning_gym"]
@@ -128,6 +129,55 @@ def test_addition_prompts_use_the_tiny_alphabet():
         assert task.reward(ex.answer, ex) == 1.0 and task.reward(ex.answer + "=", ex) == 1.0
         assert task.reward(str(a + b + 1), ex) == 0.0
     assert max(int(ex.metadata["a"]) for ex in task.train) >= 100  # 3-digit operands occur
+
+
+def test_reverse_prompts_answers_lengths_and_vocabulary():
+    from dppo.train.models import char_tokenizer
+
+    tok = char_tokenizer()
+    task = make_task("reverse", size=200, eval_size=50, seed=1)  # defaults: 16..20 characters
+    assert task.name == "reverse" and task.reward is REWARDS["leading_number"]
+    lengths = set()
+    for ex in task.train + task.eval:
+        m = re.fullmatch(r"reverse:(\d{16,20})=", ex.prompt)
+        assert m, ex.prompt
+        assert ex.answer == m.group(1)[::-1] == ex.metadata["s"][::-1] and ex.uid == f"reverse:{m.group(1)}"
+        lengths.add(len(ex.answer))
+        assert tok.unk_token_id not in tok.encode(ex.prompt + ex.answer, add_special_tokens=False)
+        assert len(tok.encode(ex.answer, add_special_tokens=False)) == len(ex.answer) >= 16  # one token per digit
+    assert lengths == set(range(16, 21))  # both bounds reached
+    assert any(ex.answer.startswith("0") for ex in task.train)  # leading zeros occur (the reward must keep them)
+    assert not {ex.prompt for ex in task.train} & {ex.prompt for ex in task.eval}
+    short = make_task("reverse", min_len=3, max_len=3, size=20, eval_size=5, seed=2)
+    assert {len(ex.answer) for ex in short.train + short.eval} == {3}
+
+
+def test_reverse_reward_is_exact_on_the_leading_digits():
+    task = make_task("reverse", min_len=16, max_len=16, size=5, eval_size=1)
+    ex = Example(prompt="reverse:1234567890123400=", answer="0043210987654321")
+    assert task.reward("0043210987654321", ex) == 1.0
+    assert task.reward("0043210987654321=reverse", ex) == 1.0  # stops at the first non-digit
+    assert task.reward("043210987654321", ex) == 0.0  # a dropped leading zero is wrong (strings, not ints)
+    assert task.reward("00432109876543210", ex) == 0.0  # one digit too many
+    assert task.reward("0043210987654320", ex) == 0.0  # last digit wrong
+    assert task.reward(" 0043210987654321", ex) == 0.0 and task.reward("", ex) == 0.0
+    for gold in task.train + task.eval:
+        assert task.reward(gold.answer, gold) == 1.0 and task.reward(gold.answer[:-1], gold) == 0.0
+        if gold.metadata["s"] != gold.answer:  # the unreversed string (unless a palindrome) is wrong
+            assert task.reward(gold.metadata["s"], gold) == 0.0
+
+
+def test_reverse_option_errors_name_the_option():
+    with pytest.raises(ValueError, match=r"reverse: min_len must be >= 1, got 0"):
+        make_task("reverse", min_len=0, max_len=4, size=5, eval_size=1)
+    with pytest.raises(ValueError, match=r"reverse: max_len must be >= min_len \(16\), got 15"):
+        make_task("reverse", max_len=15, size=5, eval_size=1)
+    with pytest.raises(ValueError, match=r"reverse: size must be >= 1"):
+        make_task("reverse", size=0, eval_size=1)
+    with pytest.raises(ValueError, match=r"reverse: eval_size=20 but only 10 distinct"):
+        make_task("reverse", min_len=1, max_len=1, size=5, eval_size=20)  # 10 one-digit strings
+    with pytest.raises(ValueError, match=r"task 'reverse': unknown option\(s\) \['length'\]"):
+        make_task("reverse", length=16)
 
 
 def test_split_distinct_dedupes_and_orders():

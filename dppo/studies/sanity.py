@@ -1,15 +1,22 @@
 """`dppo sanity`: the paper's stability study (Fig. 3, §5) and its ablations (§6, §7.3, F.4) scaled to a CPU.
 
     dppo sanity [--methods all|key|relax|delta|NAME[:field=value...],...] [--seeds 0,1,2] [--steps 60]
-                [--lr 3e-4] [--prompts-per-step 32] [--group-size 8] [--mini-batches 4]
+                [--task addition|reverse] [--min-len 16] [--max-len 20]
+                [--lr 3e-4 (addition) | 1e-4 (reverse)] [--prompts-per-step 32] [--group-size 8] [--mini-batches 4]
                 [--engine-dtype bfloat16|float32] [--logit-noise SIGMA] [--out-dir runs/sanity-<timestamp>] [--quick]
 
 Set-up: a tiny character-level Qwen2 is warm-started by supervised training (`dppo.studies.sft`) on the built-in
-`addition` task to a low but nonzero accuracy, saved once (cached by its arguments), and every (method, seed)
-run starts from that identical folder. Rollouts are sampled by the HF engine in **bf16** (`--engine-dtype`)
-while the trainer holds **fp32** weights (a real training–inference mismatch), and every rollout batch is split
-into `mini_batches` (default 4) optimiser steps, so later mini-batches are off-policy. All methods get the same
-lr, batch and steps; only the `loss` section differs, taken from the method presets of `dppo.train.presets`.
+`addition` task to a low but nonzero accuracy, saved once (cached by its arguments, task and task options
+included), and every (method, seed) run starts from that identical folder. `--task reverse` uses the built-in
+`reverse` task instead (`dppo.tasks.reverse`: answers of `--min-len`..`--max-len` = 16..20 digits, so responses
+of >= 16 tokens where addition's are <= 4; the mismatch term grows with the response length). Its warm start has
+its own defaults (`TASK_DEFAULTS`: 215 SFT steps of batch 32, which memorise its 80 training strings to a sampled
+accuracy of ~0.2) and `max_new_tokens` is max_len + 2 (the answer, EOS and one token of slack).
+
+Rollouts are sampled by the HF engine in **bf16** (`--engine-dtype`) while the trainer holds **fp32** weights (a
+real training–inference mismatch), and every rollout batch is split into `mini_batches` (default 4) optimiser
+steps, so later mini-batches are off-policy. All methods get the same lr, batch and steps; only the `loss` section
+differs, taken from the method presets of `dppo.train.presets`.
 
 Methods: a preset name (`SANITY_METHODS`), optionally with loss-field overrides, e.g. `dppo-binary-tv:delta=0.1`
 (`delta` sets δ_low and δ_high, `eps` sets ε_low and ε_high, any other `LossConfig` field by name), or a group
@@ -224,17 +231,66 @@ class _NoisyRolloutTrainer(Trainer):
             self.noise.enabled = True
 
 
+# ---------------------------------------------------------------------------------------------- the task
+SANITY_TASKS = ("addition", "reverse")
+"""The built-in tasks the study can run on (`--task`)."""
+TASK_DEFAULTS: dict[str, dict[str, int]] = {
+    "addition": {"sft_steps": 60, "sft_batch_size": 64, "quick_sft_steps": 30, "lr": 3e-4},
+    "reverse": {"sft_steps": 215, "sft_batch_size": 32, "quick_sft_steps": 100, "lr": 1e-4},
+}
+"""Per task, when not given: the warm start's SFT steps and batch size, the SFT steps of `--quick` (hidden 64) and
+the RL lr (the same for every method).
+
+reverse, measured on the default model (hidden 128, 2 layers, 80 training strings of 16-20 digits, one thread of
+the 2-core EPYC Zen 4): sampled accuracy at temperature 1 on training prompts 0.035 after 205-210 SFT steps, 0.18
+after 215, 0.35 after 230, 0.73 after 250 (the strings are memorised abruptly); 215 steps take ~20-25 s. From that
+warm start, with no mismatch (`--mismatch none`, dppo-binary-tv): lr 3e-4 collapses within 3 steps (accuracy
+0.19 -> 0.02), lr 1e-4 rises 0.20 -> 0.46 in 100 steps. `--quick`'s 100 SFT steps (~4 s) give responses of the
+answer's length at accuracy 0."""
+
+
+def task_options(task: str = "addition", *, digits: int = 1, min_len: int = 16, max_len: int = 20) -> dict[str, int]:
+    """The `make_task` options of a study task: addition {digits}, reverse {min_len, max_len}. ValueError naming
+    `task` for another name."""
+    if task == "addition":
+        return {"digits": digits}
+    if task == "reverse":
+        return {"min_len": min_len, "max_len": max_len}
+    raise ValueError(f"task: expected one of {', '.join(SANITY_TASKS)}, got {task!r}")
+
+
+def default_max_new_tokens(task: str, options: dict[str, Any]) -> int:
+    """The study's response budget: 4 for addition (the study's default, as before: room for a 3-character sum and
+    EOS), max_len + 2 for reverse (the answer, EOS and one token of slack, so an over-long answer shows as wrong)."""
+    if task == "reverse":
+        return int(options.get("max_len", 20)) + 2
+    return 4
+
+
+def _task_and_options(task: str, options: dict[str, Any] | None, digits: int) -> dict[str, Any]:
+    if options is None:
+        return task_options(task, digits=digits)
+    task_options(task)  # checks the name
+    return dict(options)
+
+
 # ---------------------------------------------------------------------------------------------- the model
-def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers: int = 2, sft_steps: int = 60,
-               digits: int = 1, size: int = 80, eval_size: int = 20, batch_size: int = 64, lr: float = 3e-3,
-               task_seed: int = 0) -> Path:
-    """A supervised warm start of a tiny char-level Qwen2 (head size 32) on `addition`, saved to
-    `out_dir/warm-<hash of the arguments>/` and reused when that folder already holds a model."""
+def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers: int = 2, sft_steps: int | None = None,
+               digits: int = 1, size: int = 80, eval_size: int = 20, batch_size: int | None = None, lr: float = 3e-3,
+               task_seed: int = 0, task: str = "addition", options: dict[str, Any] | None = None) -> Path:
+    """A supervised warm start of a tiny char-level Qwen2 (head size 32) on `task` ("addition" with `digits`, or
+    "reverse"; `options` replaces the task's options, default `task_options(task, digits=digits)`), saved to
+    `out_dir/warm-<hash of the arguments, task and options included>/` and reused when that folder already holds a
+    model. `sft_steps` / `batch_size` default to the task's `TASK_DEFAULTS`."""
     from dppo.train.models import char_tokenizer, save_model, tiny_random_model
     from dppo.studies.sft import sft_warm_start
     from dppo.tasks import make_task
 
-    args = dict(seed=seed, hidden=hidden, layers=layers, sft_steps=sft_steps, digits=digits, size=size,
+    options = _task_and_options(task, options, digits)
+    defaults = TASK_DEFAULTS[task]
+    sft_steps = defaults["sft_steps"] if sft_steps is None else sft_steps
+    batch_size = defaults["sft_batch_size"] if batch_size is None else batch_size
+    args = dict(task=task, options=options, seed=seed, hidden=hidden, layers=layers, sft_steps=sft_steps, size=size,
                 eval_size=eval_size, batch_size=batch_size, lr=lr, task_seed=task_seed)
     key = hashlib.sha1(json.dumps(args, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(out_dir) / f"warm-{key}"
@@ -243,14 +299,14 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers:
     if hidden % 32:
         raise ValueError(f"hidden: expected a multiple of the head size 32, got {hidden}")
     tok = char_tokenizer()
-    task = make_task("addition", digits=digits, size=size, eval_size=eval_size, seed=task_seed)
+    task_ = make_task(task, **options, size=size, eval_size=eval_size, seed=task_seed)
     heads = hidden // 32
     model = tiny_random_model(tok, hidden_size=hidden, num_layers=layers, num_heads=heads,
                               num_kv_heads=max(1, heads // 2), seed=seed)
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        losses = sft_warm_start(model, tok, list(task.train), steps=sft_steps, batch_size=batch_size, lr=lr, seed=seed)
+        losses = sft_warm_start(model, tok, list(task_.train), steps=sft_steps, batch_size=batch_size, lr=lr, seed=seed)
     save_model(model, tok, folder)
     (folder / "warm_start.json").write_text(json.dumps(
         {**args, "final_loss": losses[-1], "seconds": time.perf_counter() - t0}, indent=1))
@@ -258,22 +314,27 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers:
 
 
 def sanity_config(model_dir: str | Path, run_dir: str | Path, method: str, seed: int, *, steps: int = 60,
-                  lr: float = 3e-4, prompts_per_step: int = 32, group_size: int = 8, mini_batches: int = 4,
-                  digits: int = 1, size: int = 80, eval_size: int = 20, max_new_tokens: int = 4,
+                  lr: float | None = None, prompts_per_step: int = 32, group_size: int = 8, mini_batches: int = 4,
+                  digits: int = 1, size: int = 80, eval_size: int = 20, max_new_tokens: int | None = None,
                   micro_batch_size: int = 64, task_seed: int = 0, threads: int = 1,
-                  engine_dtype: str = "bfloat16", quantization: str = "none", engine_lag: int = 0) -> Config:
+                  engine_dtype: str = "bfloat16", quantization: str = "none", engine_lag: int = 0,
+                  task: str = "addition", options: dict[str, Any] | None = None) -> Config:
     """The run config of one (method, seed): HF engine in `engine_dtype` (bf16 by default), fp32 trainer,
-    `addition` task (the warm start's split), `mini_batches` optimiser steps per rollout batch, evaluation only
-    after training, no TensorBoard. `method` is a spec of `method_loss`."""
+    `task` with `options` (default `task_options(task, digits=digits)`; the warm start's split), `max_new_tokens`
+    (default `default_max_new_tokens`), `lr` (default the task's `TASK_DEFAULTS`), `mini_batches` optimiser steps
+    per rollout batch, evaluation only after training, no TensorBoard. `method` is a spec of `method_loss`."""
     loss = method_loss(method)
+    options = _task_and_options(task, options, digits)
+    if max_new_tokens is None:
+        max_new_tokens = default_max_new_tokens(task, options)
+    lr = TASK_DEFAULTS[task]["lr"] if lr is None else lr
     return replace(
         Config(),
         model={"name": str(model_dir), "dtype": "float32"},
         rollout={"engine": "hf", "dtype": engine_dtype, "quantization": quantization, "engine_lag": engine_lag,
                  "prompts_per_step": prompts_per_step, "group_size": group_size,
                  "max_new_tokens": max_new_tokens},  # top-K: recorded where the region needs it
-        task={"name": "addition", "options": json.dumps({"digits": digits}), "size": size, "eval_size": eval_size,
-              "seed": task_seed},
+        task={"name": task, "options": json.dumps(options), "size": size, "eval_size": eval_size, "seed": task_seed},
         loss=loss,
         optim={"lr": lr},
         train={"steps": steps, "mini_batches": mini_batches, "micro_batch_size": micro_batch_size, "seed": seed,
@@ -432,19 +493,29 @@ def plot_sanity(methods: dict[str, dict], out: str | Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- the study
-def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path, *, steps: int = 60, lr: float = 3e-4,
-               prompts_per_step: int = 32, group_size: int = 8, mini_batches: int = 4, max_new_tokens: int = 4,
+def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path, *, steps: int = 60,
+               lr: float | None = None,
+               prompts_per_step: int = 32, group_size: int = 8, mini_batches: int = 4,
+               max_new_tokens: int | None = None,
                digits: int = 1, size: int = 80, eval_size: int = 20, hidden: int = 128, layers: int = 2,
-               sft_steps: int = 60, warm_seed: int = 0, threads: int = 1, engine_dtype: str = "bfloat16",
+               sft_steps: int | None = None, warm_seed: int = 0, threads: int = 1, engine_dtype: str = "bfloat16",
                logit_noise: float = 0.0, quantization: str = "none", engine_lag: int = 0,
+               task: str = "addition", min_len: int = 16, max_len: int = 20,
                verbose: bool = True) -> dict[str, Any]:
     """Run every (method, seed) from the same warm-started model; write sanity.json and sanity.png; return the report.
 
     The warm start is one model (seed `warm_seed`) shared by all runs; `seeds` vary the RL run (sampling, data
     order, mini-batch split, logit noise). `methods` are specs or group names (`expand_methods`);
-    `engine_dtype` and `logit_noise` set the rollout-side mismatch (see the module docstring)."""
+    `engine_dtype` and `logit_noise` set the rollout-side mismatch (see the module docstring). `task` is addition
+    (with `digits`) or reverse (with `min_len`..`max_len`); `lr`, `sft_steps` and `max_new_tokens` default per
+    task (`TASK_DEFAULTS`, `default_max_new_tokens`)."""
     from dppo.train.plot import read_metrics
 
+    options = task_options(task, digits=digits, min_len=min_len, max_len=max_len)
+    if max_new_tokens is None:
+        max_new_tokens = default_max_new_tokens(task, options)
+    sft_steps = TASK_DEFAULTS[task]["sft_steps"] if sft_steps is None else sft_steps
+    lr = TASK_DEFAULTS[task]["lr"] if lr is None else lr
     methods = expand_methods(methods)
     if not methods or not seeds:
         raise ValueError("methods and seeds must be non-empty")
@@ -458,15 +529,15 @@ def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path
     out_dir.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     t0 = time.perf_counter()
-    model_dir = warm_start(out_dir, seed=warm_seed, hidden=hidden, layers=layers, sft_steps=sft_steps, digits=digits,
-                           size=size, eval_size=eval_size)
+    model_dir = warm_start(out_dir, seed=warm_seed, hidden=hidden, layers=layers, sft_steps=sft_steps, size=size,
+                           eval_size=eval_size, task=task, options=options)
     warm_info = json.loads((model_dir / "warm_start.json").read_text())
     if verbose:
         print(f"[sanity] warm start {model_dir} ({time.perf_counter() - t0:.1f} s; SFT loss {warm_info['final_loss']:.3f})",
               flush=True)
-    settings = dict(steps=steps, lr=lr, prompts_per_step=prompts_per_step, group_size=group_size,
-                    mini_batches=mini_batches, max_new_tokens=max_new_tokens, digits=digits, size=size,
-                    eval_size=eval_size, hidden=hidden, layers=layers, sft_steps=sft_steps, warm_seed=warm_seed,
+    settings = dict(task=task, task_options=options, steps=steps, lr=lr, prompts_per_step=prompts_per_step,
+                    group_size=group_size, mini_batches=mini_batches, max_new_tokens=max_new_tokens, digits=digits,
+                    size=size, eval_size=eval_size, hidden=hidden, layers=layers, sft_steps=sft_steps, warm_seed=warm_seed,
                     seeds=list(seeds), engine="hf", engine_dtype=engine_dtype, logit_noise=logit_noise,
                     quantization=quantization, engine_lag=engine_lag,
                     trainer_dtype="float32", warm_start=str(model_dir))
@@ -480,9 +551,10 @@ def run_sanity(methods: Sequence[str], seeds: Sequence[int], out_dir: str | Path
         for seed in seeds:
             run_dir = out_dir / f"{_run_name(method)}-seed{seed}"
             cfg = sanity_config(model_dir, run_dir, method, seed, steps=steps, lr=lr, prompts_per_step=prompts_per_step,
-                                group_size=group_size, mini_batches=mini_batches, digits=digits, size=size,
+                                group_size=group_size, mini_batches=mini_batches, size=size,
                                 eval_size=eval_size, max_new_tokens=max_new_tokens, threads=threads,
-                                engine_dtype=engine_dtype, quantization=quantization, engine_lag=engine_lag)
+                                engine_dtype=engine_dtype, quantization=quantization, engine_lag=engine_lag,
+                                task=task, options=options)
             t0 = time.perf_counter()
             trainer = (_NoisyRolloutTrainer(cfg, run_dir, logit_noise=logit_noise, noise_seed=10_007 * seed + 1)
                        if logit_noise > 0 else Trainer(cfg, run_dir))
@@ -533,14 +605,21 @@ def _parser() -> argparse.ArgumentParser:
                    "; ".join(f"{k} = {' '.join(v)}" for k, v in METHOD_GROUPS.items()) + ")")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated RL seeds")
     p.add_argument("--steps", type=int, default=60, help="training steps (rollout batches) per run")
-    p.add_argument("--lr", type=float, default=3e-4, help="AdamW lr (the same for every method)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="AdamW lr, the same for every method (default per task: addition 3e-4, reverse 1e-4)")
     p.add_argument("--prompts-per-step", type=int, default=32, help="P prompts per rollout batch")
     p.add_argument("--group-size", type=int, default=8, help="G responses per prompt")
     p.add_argument("--mini-batches", type=int, default=4, help="optimiser steps per rollout batch")
+    p.add_argument("--task", default="addition", choices=SANITY_TASKS,
+                   help="addition (answers <= 3 tokens) or reverse (reverse a --min-len..--max-len digit string)")
     p.add_argument("--digits", type=int, default=1, help="addition operand digits (1: 100 questions)")
+    p.add_argument("--min-len", type=int, default=16, help="reverse: shortest string (answer length in tokens)")
+    p.add_argument("--max-len", type=int, default=20, help="reverse: longest string (max_new_tokens = max-len + 2)")
     p.add_argument("--hidden", type=int, default=128, help="warm-start model hidden size (head size 32)")
     p.add_argument("--layers", type=int, default=2, help="warm-start model layers")
-    p.add_argument("--sft-steps", type=int, default=60, help="supervised warm-start steps (batch 64)")
+    p.add_argument("--sft-steps", type=int, default=None,
+                   help="supervised warm-start steps (default per task: addition 60 of batch 64, "
+                        "reverse 215 of batch 32)")
     p.add_argument("--engine-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="rollout engine dtype (the trainer is fp32; float32 + --logit-noise 0 = no mismatch)")
     p.add_argument("--logit-noise", type=float, default=0.0,
@@ -566,7 +645,7 @@ def cmd_sanity(argv: list[str]) -> int:
     kwargs = dict(steps=args.steps, lr=args.lr, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                   mini_batches=args.mini_batches, digits=args.digits, hidden=args.hidden, layers=args.layers,
                   sft_steps=args.sft_steps, threads=args.threads, engine_dtype=args.engine_dtype,
-                  logit_noise=args.logit_noise)
+                  logit_noise=args.logit_noise, task=args.task, min_len=args.min_len, max_len=args.max_len)
     if args.mismatch is not None:
         try:
             kwargs.update(parse_mismatch(args.mismatch))
@@ -575,7 +654,8 @@ def cmd_sanity(argv: list[str]) -> int:
             return 2
     if args.quick:
         methods, seeds = ["dppo-binary-tv", "pg-is"], [0]
-        kwargs.update(steps=5, prompts_per_step=8, group_size=4, hidden=64, sft_steps=30)
+        kwargs.update(steps=5, prompts_per_step=8, group_size=4, hidden=64,
+                      sft_steps=TASK_DEFAULTS[args.task]["quick_sft_steps"])
     out_dir = Path(args.out_dir or Path("runs") / f"sanity-{_dt.datetime.now():%Y%m%d-%H%M%S}")
     try:
         run_sanity(methods, seeds, out_dir, **kwargs)
