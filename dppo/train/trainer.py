@@ -186,7 +186,8 @@ class Trainer:
         for line in (describe(engine, dtype), warning and f"[dppo] warning: {warning}"):
             if line:
                 announce(line)
-        pool = start_pool(self.cfg, worker_devices(self.cfg, self.device), self._engine_state(), self.step_idx)
+        pool = start_pool(self.cfg, worker_devices(self.cfg, self.device), self._engine_state(), self.step_idx,
+                          rank=self.dist.rank)
         self.rollouts = AsyncRollouts(pool, max_staleness=r.max_staleness, prepare=self._prepare,
                                       start_step=self.step_idx, start_position=self.sampler.position)
         self.engine = self.rollouts

@@ -56,15 +56,16 @@ def check_async(cfg, trainer_device: torch.device) -> None:
                           f"rollout.mode async needs after every optimiser step")
 
 
-def start_pool(cfg, devices: list[str], weights: dict, version: int) -> Pool:
-    """Start the workers of rollout.backend on `devices`, each holding `weights` as version `version`."""
+def start_pool(cfg, devices: list[str], weights: dict, version: int, *, rank: int = 0) -> Pool:
+    """Start the workers of rollout.backend on `devices`, each holding `weights` as version `version`. Worker i of
+    torchrun rank r seeds its engine with train.seed + 1000·r + i (ranks and workers sample differently)."""
     module, cls = POOLS[cfg.rollout.backend].split(":")
     pool_cls = getattr(importlib.import_module(module), cls)
     r = cfg.rollout
     threads = worker_threads(r.worker_threads, sum(d == "cpu" for d in devices))
     extra = {"address": r.ray_address} if r.backend == "ray" else {}
     return pool_cls(cfg, devices, threads=threads, timeout_s=r.worker_timeout_s, weights=weights, version=version,
-                    **extra)
+                    seed_offset=1000 * rank, **extra)
 
 
 __all__ = ["POOLS", "Pool", "Request", "Result", "WorkerError", "check_async", "start_pool", "worker_devices"]

@@ -64,13 +64,13 @@ def _load_latest(core: WorkerCore, shared, version, lock) -> float:
         return core.load(version.value, shared)
 
 
-def _worker_main(cfg, index, device, threads, shared, version, lock, requests, results, parent_pid) -> None:
+def _worker_main(cfg, index, device, threads, seed_offset, shared, version, lock, requests, results, parent_pid) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     from dppo.train.faults import fault_point
 
     try:
-        core = WorkerCore(cfg, index, device, threads)
+        core = WorkerCore(cfg, index, device, threads, seed_offset)
         _load_latest(core, shared, version, lock)
         if cfg.rollout.in_flight_updates:
             core.enable_in_flight(lambda: _load_latest(core, shared, version, lock) > 0)
@@ -97,7 +97,8 @@ def _worker_main(cfg, index, device, threads, shared, version, lock, requests, r
 class LocalPool(Pool):
     """Worker processes on this machine (see the module docstring)."""
 
-    def __init__(self, cfg, devices: list[str], *, threads: int, timeout_s: float, weights: dict, version: int) -> None:
+    def __init__(self, cfg, devices: list[str], *, threads: int, timeout_s: float, weights: dict, version: int,
+                 seed_offset: int = 0) -> None:
         super().__init__(devices, timeout_s)
         ctx = torch.multiprocessing.get_context("spawn")
         self._shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in weights.items()}
@@ -108,7 +109,7 @@ class LocalPool(Pool):
         self._procs = []
         for i, device in enumerate(devices):
             proc = ctx.Process(target=_worker_main, name=f"dppo-rollout-{i}", daemon=True,
-                               args=(cfg, i, device, threads, self._shared, self._version, self._lock,
+                               args=(cfg, i, device, threads, seed_offset + i, self._shared, self._version, self._lock,
                                      self._requests[i], self._results, os.getpid()))
             with _main_module_hidden():
                 proc.start()

@@ -31,8 +31,8 @@ from dppo.rollout.remote.worker import Request, Result, WorkerCore
 class _Actor:
     """The Ray actor: a WorkerCore plus the version bookkeeping."""
 
-    def __init__(self, cfg, index: int, device: str, threads: int) -> None:
-        self.core = WorkerCore(cfg, index, "cuda" if device.startswith("cuda") else device, threads)
+    def __init__(self, cfg, index: int, device: str, threads: int, seed_offset: int) -> None:
+        self.core = WorkerCore(cfg, index, "cuda" if device.startswith("cuda") else device, threads, seed_offset)
 
     def ready(self) -> dict:
         import ray
@@ -54,7 +54,7 @@ class RayPool(Pool):
     """Ray actors (see the module docstring)."""
 
     def __init__(self, cfg, devices: list[str], *, threads: int, timeout_s: float, weights: dict, version: int,
-                 address: str = "") -> None:
+                 seed_offset: int = 0, address: str = "") -> None:
         import ray
 
         super().__init__(devices, timeout_s)
@@ -72,7 +72,7 @@ class RayPool(Pool):
         for i, device in enumerate(devices):
             resources = {"num_gpus": 1, "num_cpus": 1} if device.startswith("cuda") else {"num_cpus": 1}
             self._actors.append(actor_cls.options(name=None, scheduling_strategy="SPREAD", max_restarts=0,
-                                                  **resources).remote(cfg, i, device, threads))
+                                                  **resources).remote(cfg, i, device, threads, seed_offset + i))
         try:
             self._wait_ready_ray()
         except BaseException:

@@ -63,9 +63,10 @@ def worker_threads(requested: int, cpu_workers: int) -> int:
 
 
 class WorkerCore:
-    """The engine of worker `index` on `device`, built from the run's config, with versioned weight loading."""
+    """The engine of worker `index` on `device`, built from the run's config (engine seed train.seed +
+    `seed_offset`), with versioned weight loading."""
 
-    def __init__(self, cfg, index: int, device: str, threads: int) -> None:
+    def __init__(self, cfg, index: int, device: str, threads: int, seed_offset: int = 0) -> None:
         from dppo.train.build import build_engine, build_model
         from dppo.train.config import replace
 
@@ -74,7 +75,7 @@ class WorkerCore:
         self.index, self.device = index, device
         cfg = replace(cfg, model={"device": device, "gradient_checkpointing": False})
         model, tokenizer, path = build_model(cfg, None)
-        self.engine = build_engine(cfg, model, tokenizer, path, seed_offset=index)
+        self.engine = build_engine(cfg, model, tokenizer, path, seed_offset=seed_offset)
         del model
         self.version = -1
         self.generating, self.in_flight_load_s = False, 0.0
