@@ -19,6 +19,7 @@ one run; absolute times on a shared machine are noise.
 
     nice .venv/bin/python benchmarks/bench_async.py                 # 3 variants x 8 steps, ~6 min
     nice .venv/bin/python benchmarks/bench_async.py --steps 5 --ks 1,2
+    .venv/bin/python benchmarks/bench_async.py --devices cuda:1      # GPU machine: the engine on a GPU of its own
 """
 
 from __future__ import annotations
@@ -63,13 +64,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ks", default="1", help="comma-separated rollout.max_staleness values for the async variants")
+    ap.add_argument("--devices", default="", help="rollout.devices of the async variants (e.g. cuda:1 on a GPU "
+                                                  "machine: the engine on its own GPU); '' = the trainer's device")
     args = ap.parse_args()
     from dppo.train.hardware import cpu_name
 
     variants = [("sync-2t", ["--train.threads", "2"]), ("sync-1t", ["--train.threads", "1"])]
     for k in [int(x) for x in args.ks.split(",")]:
         variants.append((f"async-k{k}", ["--train.threads", "1", "--rollout.mode", "async", "--rollout.max-staleness",
-                                         str(k), "--rollout.worker-threads", "1"]))
+                                         str(k), "--rollout.worker-threads", "1",
+                                         *(["--rollout.devices", args.devices] if args.devices else [])]))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in variants:
