@@ -27,25 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_engine_choice import demo_steps  # (benchmarks/ is on sys.path when a benchmark runs as a script)
 
 
 def run_variant(name: str, extra: list[str], steps: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "dppo.cli", "train", "--preset", "demo", "--run-dir", str(out),
-           "--train.steps", str(steps), "--train.no-eval-before", "--task.eval-size", "0", "--log.no-progress",
-           "--log.no-tensorboard", *extra]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    rows, wall = demo_steps(name, extra, steps, out)
     med = lambda key, default=0.0: statistics.median(r.get(key, default) for r in rows)  # noqa: E731
     return {"variant": name, "steps": steps, "wall_s": wall, "step_s": med("perf/step_s"),
             "generation_s": med("perf/generation_s"), "training_s": med("perf/training_s"),

@@ -25,16 +25,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_pair(engine: str, dtype: str, steps: int, out: Path) -> dict:
+def demo_steps(label: str, extra: list[str], steps: int, out: Path) -> tuple[list[dict], float]:
+    """Run `dppo train --preset demo` for `steps` steps without evaluation, with `extra` flags, in its own process;
+    returns the metrics rows of steps 2.. (the first step, start-up, left out) and the wall seconds."""
     cmd = [sys.executable, "-m", "dppo.cli", "train", "--preset", "demo", "--run-dir", str(out),
-           "--rollout.engine", engine, "--rollout.dtype", dtype, "--train.steps", str(steps),
-           "--train.no-eval-before", "--task.eval-size", "0", "--log.no-progress", "--log.no-tensorboard"]
+           "--train.steps", str(steps), "--train.no-eval-before", "--task.eval-size", "0", "--log.no-progress",
+           "--log.no-tensorboard", *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"{engine}/{dtype} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+        raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:], wall
+
+
+def run_pair(engine: str, dtype: str, steps: int, out: Path) -> dict:
+    rows, wall = demo_steps(f"{engine}/{dtype}", ["--rollout.engine", engine, "--rollout.dtype", dtype], steps, out)
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     return {"engine": engine, "dtype": dtype, "steps": steps, "wall_s": wall, "step_s": med("perf/step_s"),
             "generation_s": med("perf/generation_s"), "training_s": med("perf/training_s"),
