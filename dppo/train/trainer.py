@@ -3,7 +3,9 @@
 `Trainer.step` reads top to bottom. The importance weight of every update is π/µ against the engine's
 recorded log-probs; the trust-region mask is anchored at µ (or at the recomputed π_old when
 `loss.anchor = "recompute"`, which costs one extra no-grad forward). Mini-batches after the first are
-off-policy by construction — what the trust region is for. All metrics stay tensors until the end of an
+off-policy by construction — what the trust region is for. With `rollout.mode async` the batch comes from rollout
+workers that sampled it ahead, up to rollout.max_staleness versions behind (`dppo.train.async_rollouts`), and
+"weight sync" publishes a new version to them. All metrics stay tensors until the end of an
 optimiser step (one host sync per optimiser step, for the finite-gradient check) and of a training step.
 """
 
