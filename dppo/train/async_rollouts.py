@@ -62,7 +62,6 @@ class AsyncRollouts:
     def __init__(self, pool: Pool, *, max_staleness: int, prepare: Callable, start_step: int,
                  start_position: int) -> None:
         self.pool, self.k, self.prepare = pool, max_staleness, prepare
-        self.max_logprobs = 1 << 30  # the workers' engines check K themselves
         self.weight_version = start_step
         self.trained_position = start_position
         self._next_step = start_step
@@ -111,9 +110,6 @@ class AsyncRollouts:
         self._submit(pending, prompts, params)
         self._wait(pending)
         return pending.rollouts()
-
-    def load_weights(self, weights) -> None:  # (the trainer publishes through `publish`)
-        raise RuntimeError("rollout.mode async: weights reach the workers through AsyncRollouts.publish")
 
     def close(self) -> None:
         self.pool.close()

@@ -265,12 +265,12 @@ class Trainer:
         with timer.time("sync"):
             self._publish_weights()
         self.step_idx += 1
-        async_stats = self._async_stats(batch, t_start) if self.rollouts is not None else {}
+        async_stats = self._async_stats(t_start) if self.rollouts is not None else {}
         with timer.time("metrics"):
             self.logger.log_samples(self.step_idx, self._samples(completions, rewards, batch, examples))
             metrics = self._step_metrics(batch, rewards, reward_stats, adv_stats, update_stats)
-            for j in range(self.cfg.rollout.max_staleness + 1):  # per-staleness values of a staleness not trained
-                if metrics.get(f"rollout/staleness_frac_{j}", 1.0) == 0.0:
+            for j in range(self.cfg.rollout.max_staleness + 1 if self.rollouts is not None else 0):
+                if metrics[f"rollout/staleness_frac_{j}"] == 0.0:  # per-staleness values of a staleness not trained
                     metrics.pop(f"mismatch/binary_tv_stale_{j}", None)
                     metrics.pop(f"trust_region/masked_frac_stale_{j}", None)
         step_s = time.perf_counter() - t_start
@@ -284,7 +284,7 @@ class Trainer:
         examples = [self.train_examples[i] for i in self.dist.shard(self.sampler.next(self.cfg.rollout.prompts_per_step))]
         return examples, engine_prompts(examples, self.tokenizer), self._sampling_params(step), self.sampler.position
 
-    def _async_stats(self, batch: RolloutBatch, t_start: float) -> dict[str, float]:
+    def _async_stats(self, t_start: float) -> dict[str, float]:
         """rollout.mode async: the trainer's wait for rollouts (idle) and the workers' idle fraction this step."""
         step_s = max(time.perf_counter() - t_start, 1e-9)
         wait = self.rollouts.last_wait_s
@@ -603,7 +603,8 @@ class _Accumulator:
         n = mask.float().sum()
         logp, mu = scores.logp.detach(), batch.rollout_logp[micro]
         sel = lambda x: torch.where(mask, x, torch.zeros_like(x)).sum() / n.clamp(min=1)  # noqa: E731
-        self._add("mismatch/binary_tv_mean", sel(binary_tv(logp, mu)), n)
+        tv = torch.where(mask, binary_tv(logp, mu), torch.zeros_like(logp))
+        self._add("mismatch/binary_tv_mean", tv.sum() / n.clamp(min=1), n)
         self._add("mismatch/binary_kl_mean", sel(binary_kl(logp, mu)), n)
         self._add("mismatch/log_ratio_gt_log2_frac", sel(((logp - mu).abs() > math.log(2)).float()), n)
         if scores.topk_logp is not None and batch.topk_logp is not None:
@@ -613,7 +614,6 @@ class _Accumulator:
         if scores.entropy is not None:
             self._add("policy/entropy", sel(scores.entropy), n)
         if self.max_staleness is not None:
-            tv = torch.where(mask, binary_tv(logp, mu), torch.zeros_like(logp))
             total, count = _per_staleness(tv, mask, batch.extras["staleness"][micro], self.max_staleness)
             for j in range(count.shape[0]):
                 self._add(f"mismatch/binary_tv_stale_{j}", total[j] / count[j].clamp(min=1), count[j])
