@@ -281,17 +281,20 @@ def _engine_failure_worker(run_dir: str) -> None:
 
     cfg = replace(get_preset("smoke"), train={"eval_before": False},
                   log={"run_dir": run_dir, "tensorboard": False, "progress": False})
-    trainer = Trainer(cfg, run_dir)
-    if trainer.dist.rank == 1:
-        def broken(*args, **kwargs):
-            raise RuntimeError("engine died: out of KV cache")
+    with Trainer(cfg, run_dir) as trainer:  # closed before exit, as `dppo train` does
+        if trainer.dist.rank == 1:
+            def broken(*args, **kwargs):
+                raise RuntimeError("engine died: out of KV cache")
 
-        trainer.engine.generate = broken
-    try:
-        trainer.train()
-    except Exception as exc:  # noqa: BLE001
-        print(f"RANK {trainer.dist.rank} RAISED {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        sys.exit(3)
+            trainer.engine.generate = broken
+        try:
+            trainer.train()
+        except Exception as exc:  # noqa: BLE001
+            print(f"RANK {trainer.dist.rank} RAISED {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            code = 3
+        else:
+            code = 0
+    sys.exit(code)
 
 
 def test_engine_failure_on_one_rank_fails_every_rank(tmp_path):

@@ -27,6 +27,7 @@ import datetime
 import hashlib
 import json
 import os
+import pickle
 from typing import Any, Callable
 
 import torch
@@ -114,6 +115,7 @@ class Dist:
         self.device = device or torch.device("cpu")
         self.owns_group = owns_group
         self.mesh = None
+        self._held: tuple = ()  # the buffers of the last object gather (see gather_objects)
 
     @property
     def enabled(self) -> bool:
@@ -131,8 +133,7 @@ class Dist:
     def check_same_config(self, cfg: Config) -> None:
         """ConfigError on every rank naming the first field whose value differs between ranks."""
         mine = (config_hash(cfg), _flatten(cfg.to_dict()))
-        every = [None] * self.world_size
-        dist.all_gather_object(every, mine)
+        every = self.gather_objects(mine)
         for r, (h, flat) in enumerate(every):
             if h != every[0][0]:
                 key = next((k for k in sorted(set(flat) | set(every[0][1])) if flat.get(k) != every[0][1].get(k)), "?")
@@ -167,14 +168,33 @@ class Dist:
         worst = int(flag.item())
         if worst == 0:
             return None
-        every = [None] * self.world_size
-        dist.all_gather_object(every, None if failure is None else (code, f"{type(failure).__name__}: {failure}"))
+        every = self.gather_objects(None if failure is None else (code, f"{type(failure).__name__}: {failure}"))
+        self._held += (flag,)
         rank, msg = next((r, e[1]) for r, e in enumerate(every) if e is not None and e[0] == worst)
         if worst == 1:
             return msg if rank == self.rank else f"rank {rank}: {msg}"
         if code == 2:
             raise failure
         raise DistributedError(f"rank {rank} of {self.world_size} failed: {msg}")
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order (`dist.all_gather_object`, with buffers this object holds).
+
+        The buffers stay referenced here until the next gather or `close`: a gloo worker thread drops its
+        reference to a finished collective's tensors just after the caller's wait returns, and if that is the last
+        reference it needs the GIL; during interpreter exit (a rank leaving right after `agree` raised) that aborts
+        the process ("terminate called without an active exception", rc -6)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        size = torch.tensor([payload.numel()], dtype=torch.long, device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size)
+        lengths = [int(s) for s in sizes]
+        buf = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
+        buf[:payload.numel()] = payload
+        outs = [torch.empty_like(buf) for _ in range(self.world_size)]
+        dist.all_gather(outs, buf)
+        self._held = (payload, size, sizes, buf, outs)
+        return [pickle.loads(o[:n].cpu().numpy().tobytes()) for o, n in zip(outs, lengths)]
 
     def all_gather_rows(self, local: Tensor) -> Tensor:
         """Every rank's `local` (the same shape on each) concatenated along dim 0 in rank order."""
@@ -267,9 +287,7 @@ class Dist:
         except Exception as exc:  # noqa: BLE001 - surfaced on every rank by agree()
             failure = exc
         self.agree(failure)
-        every = [None] * self.world_size
-        dist.all_gather_object(every, result)
-        every = [r for r in every if r is not None]
+        every = [r for r in self.gather_objects(result) if r is not None]
         n = sum(r["n"] for r in every)
         out = dict(every[0])
         for key in ("pass@1", "reward_mean", "response_length"):
@@ -282,6 +300,7 @@ class Dist:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self.owns_group = False
+        self._held = ()
 
 
 _SUMMED = {"reward/failures", "reward/timeouts", "perf/response_tokens", "perf/prompt_tokens"}

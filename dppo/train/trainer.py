@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import math
 import os
 import random
@@ -133,6 +134,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False) -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.dist = init_from_env(cfg, resolve_device(cfg.model.device))  # under torchrun: join the process group
+        self._closed = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -545,10 +547,26 @@ class Trainer:
             print(f"[dppo] resumed from {path} at step {self.step_idx}", flush=True)
 
     def close(self) -> None:
+        """Stop the engine (or the rollout workers) and leave the process group; the trainer cannot train after it.
+        Under DDP the wrapper goes first (its reducer holds the group). Under torchrun, close it (or use `with
+        Trainer(...) as trainer:`) also when training raised, as `dppo train` does, so that the group is not left
+        to interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
+        if isinstance(self.scorer, torch.nn.parallel.DistributedDataParallel):
+            self.scorer = self.scorer.module
+            gc.collect()
         self.dist.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def make_optimizer(params: list[Tensor], **hyper) -> torch.optim.AdamW:

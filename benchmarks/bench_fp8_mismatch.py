@@ -1,0 +1,128 @@
+"""How far low-precision rollout engines are from the fp32 trainer on a real model: bf16 and fp8 (issue 14).
+
+The sanity study's 0.31M-parameter character model showed fp8 rollouts as a small mismatch (mean |π − µ| ≤ 0.012):
+its weights are small and its logits flat. This measures the same engines on SmolLM2-135M-Instruct (the offline
+model of the demo), with no training: responses are sampled from the fp32 model π on the demo task's prompts
+(chain_sum, chat template), then every engine variant µ scores the same tokens (teacher forcing) and the
+per-token divergences between µ and π are averaged over response tokens:
+
+- |π(a) − µ(a)| of the sampled token a, its mean and 99th percentile: the sanity study's mismatch, and equal to the
+  binary TV (`dppo.divergence.binary_tv`, sampled token vs the rest) that DPPO-Binary-TV compares with δ;
+- the exact TV over the vocabulary (`dppo.divergence.full_tv`), mean and max;
+- the share of tokens whose exact TV exceeds DPPO's δ = 0.15 (the trust region would mask them at step 0).
+
+Engine variants (what `rollout.dtype` / `rollout.quantization` / `rollout.fp8_activations` build):
+bf16 (weights and compute in bf16), fp8-w (`dppo.rollout.quantize.fp8_weights`: e4m3, one scale per output channel,
+fp32 compute), fp8-w bf16 (fp8 weights, bf16 compute: what an fp8 engine with bf16 activations computes) and
+fp8-w+a (fp8 weights and per-token fp8 inputs to every decoder linear layer). No time is measured.
+
+    nice .venv/bin/python benchmarks/bench_fp8_mismatch.py                 # 16 prompts x 4 samples, 64 new tokens
+    .venv/bin/python benchmarks/bench_fp8_mismatch.py --quick              # 4 prompts x 2 samples, 24 new tokens
+
+Prints a table for people, then one JSON line with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+import torch
+
+from dppo.divergence import full_tv
+from dppo.rollout.quantize import add_fp8_activation_hooks, fp8_weights
+from dppo.train.build import build_task
+from dppo.train.models import load_model, load_tokenizer
+from dppo.train.presets import get_preset
+
+DELTA = 0.15
+
+
+def sample(model, tokenizer, prompts, samples: int, max_new_tokens: int, seed: int):
+    """Token ids [N, L] (left-padded prompt + sampled response), the response mask [N, L] (EOS included)."""
+    texts = [p if isinstance(p, str) else tokenizer.apply_chat_template(list(p), add_generation_prompt=True,
+                                                                         tokenize=False) for p in prompts]
+    tokenizer.padding_side = "left"
+    enc = tokenizer([t for t in texts for _ in range(samples)], return_tensors="pt", padding=True)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    prompt_len = enc["input_ids"].shape[1]
+    response = out[:, prompt_len:]
+    is_eos = response == tokenizer.eos_token_id
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
+    mask = torch.zeros_like(out, dtype=torch.bool)
+    mask[:, prompt_len:] = ~after_eos
+    attention = torch.cat([enc["attention_mask"], (~after_eos).long()], dim=1)
+    return out, attention, mask
+
+
+def token_logprobs(model, ids, attention) -> torch.Tensor:
+    """Full-vocabulary log-probs in fp32 for predicting ids[:, 1:], [N, L-1, V]."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    return logits.log_softmax(-1)
+
+
+def variants(model):
+    """(name, engine model) for every rollout precision measured; each is a separate copy of `model`."""
+    state = model.state_dict()
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    fp8_w = copy.deepcopy(model)
+    fp8_w.load_state_dict(fp8_weights(state))
+    fp8_w_bf16 = copy.deepcopy(fp8_w).to(torch.bfloat16)
+    fp8_wa = copy.deepcopy(fp8_w)
+    add_fp8_activation_hooks(fp8_wa)
+    return [("bf16", bf16), ("fp8-w", fp8_w), ("fp8-w bf16", fp8_w_bf16), ("fp8-w+a", fp8_wa)]
+
+
+def measure(pi_logp, mu_logp, targets, mask) -> dict:
+    """Divergences of µ from π over the response tokens (mask)."""
+    pi_a = pi_logp.gather(-1, targets[..., None]).squeeze(-1)[mask]
+    mu_a = mu_logp.gather(-1, targets[..., None]).squeeze(-1)[mask]
+    gap = (pi_a.exp() - mu_a.exp()).abs()
+    tv = full_tv(pi_logp[mask], mu_logp[mask])
+    return {"mean_abs_gap": gap.mean().item(), "p99_abs_gap": gap.quantile(0.99).item(),
+            "tv_mean": tv.mean().item(), "tv_max": tv.max().item(),
+            "tv_over_delta": (tv > DELTA).float().mean().item()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="built-in model name or a local folder")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=4, help="responses per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="4 prompts x 2 samples, 24 new tokens")
+    args = p.parse_args()
+    if args.quick:
+        args.prompts, args.samples, args.max_new_tokens = 4, 2, 24
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cfg = get_preset("demo")
+    prompts = [ex.prompt for ex in build_task(cfg).train_examples()[: args.prompts]]
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, dtype=torch.float32)
+    ids, attention, mask = sample(model, tokenizer, prompts, args.samples, args.max_new_tokens, args.seed)
+    targets, mask = ids[:, 1:], mask[:, 1:]
+    pi_logp = token_logprobs(model, ids, attention)
+    n_tokens = int(mask.sum())
+    rows = {name: measure(pi_logp, token_logprobs(engine, ids, attention), targets, mask)
+            for name, engine in variants(model)}
+    print(f"{args.model}: {len(prompts)} prompts x {args.samples} samples, {n_tokens} response tokens "
+          f"(sampled from the fp32 model; every engine scores the same tokens)")
+    head = f"{'engine':<12}{'mean|pi-mu|':>12}{'p99|pi-mu|':>12}{'TV mean':>10}{'TV max':>9}" \
+           f"{'TV>0.15':>9}"
+    print(head)
+    for name, r in rows.items():
+        print(f"{name:<12}{r['mean_abs_gap']:>12.4f}{r['p99_abs_gap']:>12.4f}"
+              f"{r['tv_mean']:>10.4f}{r['tv_max']:>9.3f}{r['tv_over_delta']:>9.2%}")
+    print(json.dumps({"bench": "fp8_mismatch", "model": args.model, "prompts": len(prompts), "samples": args.samples,
+                      "max_new_tokens": args.max_new_tokens, "response_tokens": n_tokens, "delta": DELTA,
+                      "engines": rows}))
+
+
+if __name__ == "__main__":
+    main()
