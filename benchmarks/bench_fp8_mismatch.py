@@ -41,8 +41,7 @@ DELTA = 0.15
 
 def sample(model, tokenizer, prompts, samples: int, max_new_tokens: int, seed: int):
     """Token ids [N, L] (left-padded prompt + sampled response), the response mask [N, L] (EOS included)."""
-    texts = [p if isinstance(p, str) else tokenizer.apply_chat_template(list(p), add_generation_prompt=True,
-                                                                         tokenize=False) for p in prompts]
+    texts = [tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False) for p in prompts]
     tokenizer.padding_side = "left"
     enc = tokenizer([t for t in texts for _ in range(samples)], return_tensors="pt", padding=True)
     torch.manual_seed(seed)
@@ -100,7 +99,6 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.prompts, args.samples, args.max_new_tokens = 4, 2, 24
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     cfg = get_preset("demo")
     prompts = [ex.prompt for ex in build_task(cfg).train_examples()[: args.prompts]]
     tokenizer = load_tokenizer(args.model)
