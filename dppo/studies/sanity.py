@@ -43,6 +43,9 @@ Summary per run (see `summarize_run`):
   (peak of the 5-step running mean over full windows) and the peak is at least 0.05 above the final value, or (b) for 5
   consecutive steps every group had zero advantage while accuracy was below 0.5 (all-wrong groups: no
   gradient ever again). Per method, the table reports how many seeds collapsed.
+
+`dppo sanity report DIR ... --control DIR ...` (`dppo.studies.sanity_report`) merges studies run as several
+processes and prints a mismatch study beside its control, with the mismatch averaged per quarter of the run.
 """
 
 from __future__ import annotations
@@ -635,6 +638,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_sanity(argv: list[str]) -> int:
+    if argv[:1] == ["report"]:  # `dppo sanity report DIR ...`: tables from finished runs
+        from dppo.studies.sanity_report import cmd_report
+        return cmd_report(argv[1:])
     args = _parser().parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     try:

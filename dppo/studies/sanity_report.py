@@ -1,0 +1,166 @@
+"""`dppo sanity report`: the stability study's tables from finished runs, a mismatch run beside its control.
+
+    dppo sanity report DIR [DIR ...] [--control DIR [DIR ...]] [--parts 4] [--plot PATH] [--json PATH]
+
+A long study is often run as several `dppo sanity` processes (a few methods each, on separate cores), and its
+no-mismatch control as another. This reads their `sanity.json` files, merges the methods of the DIRs into one
+study (and those of the `--control` DIRs into another), and prints one markdown row per method:
+
+- control: final training accuracy (mean over seeds) and collapsed seeds, when a control is given;
+- the study: final accuracy (min–max over seeds), collapsed seeds, peak accuracy (the best 5-step running mean,
+  mean over seeds), and the number of seeds whose final accuracy is >= 0.95;
+- **mismatch by part**: the seed-mean of `mismatch/binary_tv_mean` (mean |π − µ| at the start of a step) averaged
+  over each of `--parts` equal spans of the run, first → last: a mismatch that grows with the policy shows as a
+  rising sequence (Fig. 3 of the paper), a trust region that holds it shows as a flat or falling one;
+- max mismatch (largest step value over seeds) and the mean masked fraction.
+
+Merging refuses studies whose settings differ in anything but the seeds and the warm-start folder (a study's
+methods must share the model, lr, batch, steps and mismatch; only the loss differs), and a method that appears in
+two DIRs. The control must match the study's settings except the mismatch source. Everything here reads the
+summaries and curves `dppo sanity` wrote; nothing is trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from dppo.studies.sanity import plot_sanity
+
+MISMATCH_KEYS = ("engine_dtype", "logit_noise", "quantization", "engine_lag")
+"""Settings that name the mismatch source: the only ones a control may differ in."""
+IGNORED_KEYS = ("seeds", "warm_start")
+"""Settings merged studies may differ in (each DIR runs its own seeds; the warm start is cached per out-dir)."""
+TARGET_FINAL = 0.95
+"""The issue's accuracy bar for a stable method (training accuracy, last 5 steps)."""
+
+
+def load_study(dirs: Sequence[str | Path]) -> dict[str, Any]:
+    """Merge the `sanity.json` of each folder in `dirs` into {"settings", "methods", "wall_s", "dirs"}.
+    ValueError (naming the folder and the field) when a file is missing, the settings differ beyond
+    `IGNORED_KEYS`, or a method is in two folders."""
+    if not dirs:
+        raise ValueError("no study folders given")
+    settings: dict[str, Any] | None = None
+    methods: dict[str, Any] = {}
+    wall, first = [], None
+    for d in dirs:
+        path = Path(d) / "sanity.json"
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file (run `dppo sanity --out-dir {d}` first)")
+        report = json.loads(path.read_text())
+        these = {k: v for k, v in report["settings"].items() if k not in IGNORED_KEYS}
+        if settings is None:
+            settings, first = these, path
+        else:
+            for key in sorted(set(settings) | set(these)):
+                if settings.get(key) != these.get(key):
+                    raise ValueError(f"{path}: setting {key!r} is {these.get(key)!r}, but {first} has "
+                                     f"{settings.get(key)!r}; merged studies must differ only in the loss")
+        for name, m in report["methods"].items():
+            if name in methods:
+                raise ValueError(f"{path}: method {name!r} is also in an earlier folder")
+            methods[name] = m
+        wall.append(float(report.get("wall_s", 0.0)))
+    return {"settings": settings, "methods": methods, "wall_s": wall, "dirs": [str(d) for d in dirs]}
+
+
+def check_control(study: dict[str, Any], control: dict[str, Any]) -> None:
+    """ValueError naming the field when the control differs from the study in more than the mismatch source."""
+    for key in sorted(set(study["settings"]) | set(control["settings"])):
+        if key in MISMATCH_KEYS:
+            continue
+        if study["settings"].get(key) != control["settings"].get(key):
+            raise ValueError(f"control: setting {key!r} is {control['settings'].get(key)!r}, the study's is "
+                             f"{study['settings'].get(key)!r}; a control differs only in the mismatch source")
+
+
+def mismatch_by_part(curve: dict[str, list], parts: int = 4) -> list[float]:
+    """The seed-mean curve's values averaged over `parts` equal consecutive spans of its steps (the last span takes
+    the remainder). ValueError when there are fewer steps than parts."""
+    values = curve.get("mean") or []
+    if parts < 1 or len(values) < parts:
+        raise ValueError(f"parts: need 1 <= parts <= steps ({len(values)}), got {parts}")
+    size = len(values) // parts
+    bounds = [i * size for i in range(parts)] + [len(values)]
+    return [sum(values[a:b]) / (b - a) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def method_row(m: dict[str, Any], parts: int = 4) -> dict[str, Any]:
+    """The numbers of one method's report row (see the module docstring)."""
+    s, per_seed = m["summary"], m["per_seed"]
+    finals = [p["final_accuracy"] for p in per_seed if p.get("final_accuracy") is not None]
+    peaks = [p.get("peak_accuracy") for p in per_seed if p.get("peak_accuracy") is not None]
+    curve = m["curves"].get("mismatch/binary_tv_mean") or {}
+    return {
+        "final": s["final_accuracy"], "min": min(finals, default=None), "max": max(finals, default=None),
+        "collapsed": s["collapsed"], "seeds": s["seeds"],
+        "peak": sum(peaks) / len(peaks) if peaks else None,
+        "at_target": sum(f >= TARGET_FINAL for f in finals),
+        "mismatch_parts": mismatch_by_part(curve, parts) if len(curve.get("mean") or []) >= parts else [],
+        "max_mismatch": s["max_mismatch"], "masked": s["masked_frac"],
+    }
+
+
+def _f(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, parts: int = 4) -> str:
+    """The markdown table of `study` (merged by `load_study`), with the control's columns when given."""
+    head = ["method"]
+    if control is not None:
+        head += ["control: final acc", "collapsed"]
+    head += ["final acc (min–max)", "collapsed", "peak", f"≥ {TARGET_FINAL}",
+             f"mismatch by {'quarter' if parts == 4 else 'part'}", "max", "masked"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, m in study["methods"].items():
+        r = method_row(m, parts)
+        cells = [name]
+        if control is not None:
+            c = control["methods"].get(name)
+            cells += ["-", "-"] if c is None else [_f(c["summary"]["final_accuracy"]),
+                                                   f"{c['summary']['collapsed']}/{c['summary']['seeds']}"]
+        cells += [f"{_f(r['final'])} ({_f(r['min'], '.2f')}–{_f(r['max'], '.2f')})", f"{r['collapsed']}/{r['seeds']}",
+                  _f(r["peak"]), f"{r['at_target']}/{r['seeds']}",
+                  " → ".join(_f(x) for x in r["mismatch_parts"]) or "-", _f(r["max_mismatch"], ".2f"),
+                  f"{100 * r['masked']:.1f}%" if r["masked"] is not None else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dppo sanity report", description=__doc__.split("\n\n")[0])
+    p.add_argument("dirs", nargs="+", help="out-dirs of `dppo sanity` runs, merged into one study")
+    p.add_argument("--control", nargs="+", default=None, help="out-dirs of the no-mismatch control, merged")
+    p.add_argument("--parts", type=int, default=4, help="spans the mismatch curve is averaged over")
+    p.add_argument("--plot", default=None, help="write the merged study's curves (sanity.png layout) here")
+    p.add_argument("--json", default=None, help="write the rows (and the merged settings) here as JSON")
+    return p
+
+
+def cmd_report(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        study = load_study(args.dirs)
+        control = load_study(args.control) if args.control else None
+        if control is not None:
+            check_control(study, control)
+        table = report_table(study, control, args.parts)
+    except ValueError as exc:
+        print(f"dppo sanity report: error: {exc}")
+        return 2
+    s = study["settings"]
+    print(f"{s['task']}, {s['steps']} steps, lr {s['lr']}, warm start {s['sft_steps']} SFT steps, engine "
+          f"{s['engine_dtype']} lag {s['engine_lag']} quantization {s['quantization']} noise {s['logit_noise']}; "
+          f"wall {' + '.join(f'{w:.0f}' for w in study['wall_s'])} s")
+    print(table)
+    if args.plot:
+        print(f"[sanity report] wrote {plot_sanity(study['methods'], args.plot)}")
+    if args.json:
+        rows = {name: method_row(m, args.parts) for name, m in study["methods"].items()}
+        Path(args.json).write_text(json.dumps({"settings": s, "dirs": study["dirs"], "rows": rows}, indent=1))
+        print(f"[sanity report] wrote {args.json}")
+    return 0

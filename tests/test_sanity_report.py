@@ -1,0 +1,97 @@
+"""`dppo sanity report`: merging split studies, the control check, the mismatch-by-part means (hand-computed), and
+the command end to end on real short studies (the rows equal the summaries `dppo sanity` wrote)."""
+
+import json
+
+import pytest
+
+from dppo.studies.sanity import cmd_sanity, run_sanity, summarize_method, summarize_run
+from dppo.studies.sanity_report import (TARGET_FINAL, check_control, load_study, method_row, mismatch_by_part,
+                                        report_table)
+
+
+def test_mismatch_by_part_hand_computed():
+    curve = {"mean": [1, 2, 3, 4, 5, 6, 7, 8, 9]}
+    assert mismatch_by_part(curve, 4) == [1.5, 3.5, 5.5, 8.0]  # the last span takes the remainder (7, 8, 9)
+    assert mismatch_by_part(curve, 1) == [5.0]
+    assert mismatch_by_part({"mean": [0.2, 0.4]}, 2) == [0.2, 0.4]
+    with pytest.raises(ValueError, match="parts"):
+        mismatch_by_part({"mean": [1.0, 2.0]}, 3)
+
+
+def _method(finals, tv_curve, collapsed=0):
+    rows = [[{"step": i + 1, "reward/accuracy": f, "mismatch/binary_tv_mean": t, "trust_region/masked_frac": 0.02}
+             for i, t in enumerate(tv_curve)] for f in finals]
+    per_seed = [{**summarize_run(r), "seconds": 1.0, "eval_pass@1": None} for r in rows]
+    summary = summarize_method(per_seed)
+    summary["collapsed"] = collapsed
+    return {"summary": summary, "per_seed": per_seed,
+            "curves": {"mismatch/binary_tv_mean": {"step": list(range(1, len(tv_curve) + 1)), "mean": tv_curve}}}
+
+
+def _write(folder, methods, **overrides):
+    settings = {"task": "addition", "steps": 8, "lr": 3e-4, "sft_steps": 60, "engine_dtype": "float32",
+                "logit_noise": 0.0, "quantization": "none", "engine_lag": 4, "seeds": [0, 1], "warm_start": str(folder)}
+    settings.update(overrides)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sanity.json").write_text(json.dumps({"settings": settings, "methods": methods, "wall_s": 10.0}))
+    return folder
+
+
+def test_merge_rows_and_control(tmp_path):
+    tv = [0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.4, 0.4]
+    a = _write(tmp_path / "a", {"pg-is": _method([0.2, 0.4], tv, collapsed=2)})
+    b = _write(tmp_path / "b", {"dppo-binary-tv": _method([0.96, 0.94], [0.1] * 8)}, seeds=[0, 1])
+    ctrl = _write(tmp_path / "c", {"pg-is": _method([0.9, 0.8], [0.0] * 8)}, engine_lag=0)
+    study, control = load_study([a, b]), load_study([ctrl])
+    assert list(study["methods"]) == ["pg-is", "dppo-binary-tv"] and study["wall_s"] == [10.0, 10.0]
+    check_control(study, control)  # differs only in engine_lag: accepted
+    row = method_row(study["methods"]["pg-is"])
+    assert row["mismatch_parts"] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert (row["min"], row["max"], row["collapsed"], row["at_target"]) == (0.2, 0.4, 2, 0)
+    assert method_row(study["methods"]["dppo-binary-tv"])["at_target"] == 1  # 0.96 >= TARGET_FINAL > 0.94
+    assert 0.94 < TARGET_FINAL <= 0.96
+    table = report_table(study, control).splitlines()
+    assert table[2].startswith("| pg-is | 0.850 | 0/2 | 0.300 (0.20–0.40) | 2/2 |")
+    assert "0.100 → 0.200 → 0.300 → 0.400" in table[2]
+    assert table[3].startswith("| dppo-binary-tv | - | - | 0.950 (0.94–0.96) | 0/2 |")
+
+
+def test_merge_and_control_refusals(tmp_path):
+    m = {"pg-is": _method([0.5], [0.1] * 8)}
+    a = _write(tmp_path / "a", m)
+    with pytest.raises(ValueError, match=r"setting 'lr' is 0.0001.*differ only in the loss"):
+        load_study([a, _write(tmp_path / "b", {"cispo": _method([0.5], [0.1] * 8)}, lr=1e-4)])
+    with pytest.raises(ValueError, match="method 'pg-is' is also in an earlier folder"):
+        load_study([a, _write(tmp_path / "d", m)])
+    with pytest.raises(ValueError, match="no such file"):
+        load_study([tmp_path / "missing"])
+    with pytest.raises(ValueError, match=r"control: setting 'steps' is 9"):
+        check_control(load_study([a]), load_study([_write(tmp_path / "e", m, steps=9, engine_lag=0)]))
+
+
+def test_report_command_on_real_short_studies(tmp_path, capsys):
+    kw = dict(steps=4, prompts_per_step=8, group_size=4, hidden=64, sft_steps=20, eval_size=8, verbose=False)
+    a = run_sanity(["pg-is"], [0, 1], tmp_path / "a", engine_dtype="float32", engine_lag=2, **kw)
+    b = run_sanity(["dppo-binary-tv"], [0, 1], tmp_path / "b", engine_dtype="float32", engine_lag=2, **kw)
+    run_sanity(["pg-is", "dppo-binary-tv"], [0, 1], tmp_path / "c", engine_dtype="float32", **kw)
+    out_json, out_png = tmp_path / "rows.json", tmp_path / "merged.png"
+    argv = ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--control", str(tmp_path / "c"), "--parts", "2",
+            "--plot", str(out_png), "--json", str(out_json)]
+    assert cmd_sanity(argv) == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    for name, report in (("pg-is", a), ("dppo-binary-tv", b)):
+        s = report["methods"][name]["summary"]
+        assert rows[name]["final"] == s["final_accuracy"] and rows[name]["collapsed"] == s["collapsed"]
+        curve = report["methods"][name]["curves"]["mismatch/binary_tv_mean"]["mean"]
+        assert rows[name]["mismatch_parts"] == pytest.approx([sum(curve[:2]) / 2, sum(curve[2:]) / 2])
+        assert rows[name]["mismatch_parts"][1] > 0  # the lagged engine differs from the trainer after 2 steps
+    assert out_png.stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "engine float32 lag 2" in out and "| pg-is |" in out and "| dppo-binary-tv |" in out
+    # a study folder that is not one, and a control with other settings: exit 2 naming the problem
+    assert cmd_sanity(["report", str(tmp_path / "nothing")]) == 2
+    assert "no such file" in capsys.readouterr().out
+    run_sanity(["pg-is"], [0], tmp_path / "d", engine_dtype="float32", **{**kw, "steps": 3})
+    assert cmd_sanity(["report", str(tmp_path / "a"), "--control", str(tmp_path / "d")]) == 2
+    assert "setting 'steps'" in capsys.readouterr().out
