@@ -19,14 +19,16 @@ def test_mismatch_by_part_hand_computed():
         mismatch_by_part({"mean": [1.0, 2.0]}, 3)
 
 
-def _method(finals, tv_curve, collapsed=0):
+def _method(finals, tv_curve, collapsed=0, first_seed=0):
     rows = [[{"step": i + 1, "reward/accuracy": f, "mismatch/binary_tv_mean": t, "trust_region/masked_frac": 0.02}
              for i, t in enumerate(tv_curve)] for f in finals]
-    per_seed = [{**summarize_run(r), "seconds": 1.0, "eval_pass@1": None} for r in rows]
+    per_seed = [{**summarize_run(r), "seed": first_seed + k, "seconds": 1.0, "eval_pass@1": None}
+                for k, r in enumerate(rows)]
     summary = summarize_method(per_seed)
     summary["collapsed"] = collapsed
-    return {"summary": summary, "per_seed": per_seed,
-            "curves": {"mismatch/binary_tv_mean": {"step": list(range(1, len(tv_curve) + 1)), "mean": tv_curve}}}
+    curve = {"step": list(range(1, len(tv_curve) + 1)), "mean": tv_curve, "min": tv_curve, "max": tv_curve}
+    return {"loss": {"trust_region": "none"}, "summary": summary, "per_seed": per_seed,
+            "curves": {"mismatch/binary_tv_mean": curve}}
 
 
 def _write(folder, methods, **overrides):
@@ -57,13 +59,29 @@ def test_merge_rows_and_control(tmp_path):
     assert table[3].startswith("| dppo-binary-tv | - | - | 0.950 (0.94–0.96) | 0/2 |")
 
 
+def test_more_seeds_from_another_folder_are_pooled(tmp_path):
+    a = _write(tmp_path / "a", {"pg-is": _method([0.2, 0.4], [0.1] * 8)})
+    b = _write(tmp_path / "b", {"pg-is": _method([0.6], [0.4] * 7 + [1.0], first_seed=2)}, seeds=[2])
+    m = load_study([a, b])["methods"]["pg-is"]
+    assert [p["seed"] for p in m["per_seed"]] == [0, 1, 2] and m["summary"]["seeds"] == 3
+    assert m["summary"]["final_accuracy"] == pytest.approx(0.4)
+    curve = m["curves"]["mismatch/binary_tv_mean"]
+    assert curve["mean"] == pytest.approx([0.2] * 7 + [0.4])  # (2 x 0.1 + 1 x 0.4) / 3; last (2 x 0.1 + 1.0) / 3
+    assert curve["min"][-1] == 0.1 and curve["max"][-1] == 1.0
+    row = method_row(m)
+    assert (row["min"], row["max"]) == (0.2, 0.6)
+
+
 def test_merge_and_control_refusals(tmp_path):
     m = {"pg-is": _method([0.5], [0.1] * 8)}
     a = _write(tmp_path / "a", m)
     with pytest.raises(ValueError, match=r"setting 'lr' is 0.0001.*differ only in the loss"):
         load_study([a, _write(tmp_path / "b", {"cispo": _method([0.5], [0.1] * 8)}, lr=1e-4)])
-    with pytest.raises(ValueError, match="method 'pg-is' is also in an earlier folder"):
+    with pytest.raises(ValueError, match=r"'pg-is': seeds \[0\] are also in an earlier folder"):
         load_study([a, _write(tmp_path / "d", m)])
+    other_loss = {"pg-is": {**_method([0.5], [0.1] * 8, first_seed=1), "loss": {"trust_region": "dppo_binary_tv"}}}
+    with pytest.raises(ValueError, match="loss .* differs"):
+        load_study([a, _write(tmp_path / "f", other_loss)])
     with pytest.raises(ValueError, match="no such file"):
         load_study([tmp_path / "missing"])
     with pytest.raises(ValueError, match=r"control: setting 'steps' is 9"):

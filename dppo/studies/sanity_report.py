@@ -14,9 +14,10 @@ study (and those of the `--control` DIRs into another), and prints one markdown 
   rising sequence (Fig. 3 of the paper), a trust region that holds it shows as a flat or falling one;
 - max mismatch (largest step value over seeds) and the mean masked fraction.
 
-Merging refuses studies whose settings differ in anything but the seeds and the warm-start folder (a study's
-methods must share the model, lr, batch, steps and mismatch; only the loss differs), and a method that appears in
-two DIRs. The control must match the study's settings except the mismatch source. Everything here reads the
+A method found in several DIRs with disjoint seeds (more seeds run later, or in parallel) is merged: its per-seed
+summaries are pooled and its curves combined. Merging refuses studies whose settings differ in anything but the
+seeds and the warm-start folder (a study's methods must share the model, lr, batch, steps and mismatch; only the
+loss differs), and a (method, seed) that appears twice. The control must match the study's settings except the mismatch source. Everything here reads the
 summaries and curves `dppo sanity` wrote; nothing is trained.
 """
 
@@ -27,7 +28,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from dppo.studies.sanity import plot_sanity
+from dppo.studies.sanity import plot_sanity, summarize_method
 
 MISMATCH_KEYS = ("engine_dtype", "logit_noise", "quantization", "engine_lag")
 """Settings that name the mismatch source: the only ones a control may differ in."""
@@ -60,11 +61,40 @@ def load_study(dirs: Sequence[str | Path]) -> dict[str, Any]:
                     raise ValueError(f"{path}: setting {key!r} is {these.get(key)!r}, but {first} has "
                                      f"{settings.get(key)!r}; merged studies must differ only in the loss")
         for name, m in report["methods"].items():
-            if name in methods:
-                raise ValueError(f"{path}: method {name!r} is also in an earlier folder")
-            methods[name] = m
+            methods[name] = m if name not in methods else merge_seeds(methods[name], m, where=f"{path}: {name!r}")
         wall.append(float(report.get("wall_s", 0.0)))
     return {"settings": settings, "methods": methods, "wall_s": wall, "dirs": [str(d) for d in dirs]}
+
+
+def _merge_curve(a: dict[str, list], na: int, b: dict[str, list], nb: int) -> dict[str, list]:
+    """The seed-mean/min/max curve of na + nb seeds from the curves of na and of nb seeds (steps present in both)."""
+    ib = {s: i for i, s in enumerate(b.get("step", []))}
+    out: dict[str, list] = {"step": [], "mean": [], "min": [], "max": []}
+    for i, step in enumerate(a.get("step", [])):
+        j = ib.get(step)
+        if j is None:
+            continue
+        out["step"].append(step)
+        out["mean"].append((na * a["mean"][i] + nb * b["mean"][j]) / (na + nb))
+        out["min"].append(min(a["min"][i], b["min"][j]))
+        out["max"].append(max(a["max"][i], b["max"][j]))
+    return out
+
+
+def merge_seeds(a: dict[str, Any], b: dict[str, Any], *, where: str = "") -> dict[str, Any]:
+    """One method's results from two folders that ran disjoint seeds: per-seed summaries concatenated, the
+    method summary recomputed (`summarize_method`), the curves combined (seed-weighted means). ValueError when a
+    seed is in both or the loss sections differ."""
+    seeds_a = {p.get("seed") for p in a["per_seed"]}
+    both = sorted(seeds_a & {p.get("seed") for p in b["per_seed"]})
+    if both:
+        raise ValueError(f"{where}: seeds {both} are also in an earlier folder")
+    if a.get("loss") != b.get("loss"):
+        raise ValueError(f"{where}: loss {b.get('loss')} differs from the earlier folder's {a.get('loss')}")
+    na, nb = len(a["per_seed"]), len(b["per_seed"])
+    per_seed = a["per_seed"] + b["per_seed"]
+    curves = {k: _merge_curve(a["curves"][k], na, b["curves"][k], nb) for k in a["curves"] if k in b["curves"]}
+    return {**a, "summary": summarize_method(per_seed), "per_seed": per_seed, "curves": curves}
 
 
 def check_control(study: dict[str, Any], control: dict[str, Any]) -> None:
