@@ -44,7 +44,7 @@ def test_merge_rows_and_control(tmp_path):
     tv = [0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.4, 0.4]
     a = _write(tmp_path / "a", {"pg-is": _method([0.2, 0.4], tv, collapsed=2)})
     b = _write(tmp_path / "b", {"dppo-binary-tv": _method([0.96, 0.94], [0.1] * 8)}, seeds=[0, 1])
-    ctrl = _write(tmp_path / "c", {"pg-is": _method([0.9, 0.8], [0.0] * 8)}, engine_lag=0)
+    ctrl = _write(tmp_path / "c", {"pg-is": _method([0.96, 0.8], [0.0] * 8)}, engine_lag=0)
     study, control = load_study([a, b]), load_study([ctrl])
     assert list(study["methods"]) == ["pg-is", "dppo-binary-tv"] and study["wall_s"] == [10.0, 10.0]
     check_control(study, control)  # differs only in engine_lag: accepted
@@ -54,9 +54,9 @@ def test_merge_rows_and_control(tmp_path):
     assert method_row(study["methods"]["dppo-binary-tv"])["at_target"] == 1  # 0.96 >= TARGET_FINAL > 0.94
     assert 0.94 < TARGET_FINAL <= 0.96
     table = report_table(study, control).splitlines()
-    assert table[2].startswith("| pg-is | 0.850 | 0/2 | 0.300 (0.20–0.40) | 2/2 |")
+    assert table[2].startswith("| pg-is | 0.880 | 1/2 | 0/2 | 0.300 (0.20–0.40) | 2/2 |")
     assert "0.100 → 0.200 → 0.300 → 0.400" in table[2]
-    assert table[3].startswith("| dppo-binary-tv | - | - | 0.950 (0.94–0.96) | 0/2 |")
+    assert table[3].startswith("| dppo-binary-tv | - | - | - | 0.950 (0.94–0.96) | 0/2 |")
 
 
 def test_more_seeds_from_another_folder_are_pooled(tmp_path):

@@ -6,7 +6,8 @@ A long study is often run as several `dppo sanity` processes (a few methods each
 no-mismatch control as another. This reads their `sanity.json` files, merges the methods of the DIRs into one
 study (and those of the `--control` DIRs into another), and prints one markdown row per method:
 
-- control: final training accuracy (mean over seeds) and collapsed seeds, when a control is given;
+- control: final training accuracy (mean over seeds), seeds ending >= 0.95 and collapsed seeds, when a control is
+  given;
 - the study: final accuracy (min–max over seeds), collapsed seeds, peak accuracy (the best 5-step running mean,
   mean over seeds), and the number of seeds whose final accuracy is >= 0.95;
 - **mismatch by part**: the seed-mean of `mismatch/binary_tv_mean` (mean |π − µ| at the start of a step) averaged
@@ -142,7 +143,7 @@ def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, p
     """The markdown table of `study` (merged by `load_study`), with the control's columns when given."""
     head = ["method"]
     if control is not None:
-        head += ["control: final acc", "collapsed"]
+        head += ["control: final acc", f"≥ {TARGET_FINAL}", "collapsed"]
     head += ["final acc (min–max)", "collapsed", "peak", f"≥ {TARGET_FINAL}",
              f"mismatch by {'quarter' if parts == 4 else 'part'}", "max", "masked"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -151,8 +152,9 @@ def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, p
         cells = [name]
         if control is not None:
             c = control["methods"].get(name)
-            cells += ["-", "-"] if c is None else [_f(c["summary"]["final_accuracy"]),
-                                                   f"{c['summary']['collapsed']}/{c['summary']['seeds']}"]
+            rc = None if c is None else method_row(c, 1)
+            cells += ["-", "-", "-"] if rc is None else [_f(rc["final"]), f"{rc['at_target']}/{rc['seeds']}",
+                                                        f"{rc['collapsed']}/{rc['seeds']}"]
         cells += [f"{_f(r['final'])} ({_f(r['min'], '.2f')}–{_f(r['max'], '.2f')})", f"{r['collapsed']}/{r['seeds']}",
                   _f(r["peak"]), f"{r['at_target']}/{r['seeds']}",
                   " → ".join(_f(x) for x in r["mismatch_parts"]) or "-", _f(r["max_mismatch"], ".2f"),
