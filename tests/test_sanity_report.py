@@ -55,6 +55,7 @@ def test_merge_rows_and_control(tmp_path):
     assert 0.94 < TARGET_FINAL <= 0.96
     table = report_table(study, control).splitlines()
     assert table[2].startswith("| pg-is | 0.880 | 1/2 | 0/2 | 0.300 (0.20–0.40) | 2/2 |")
+    assert "| 0.20 0.40 |" in table[2]  # per seed; _method's rows never collapse (the summary's count is set apart)
     assert "0.100 → 0.200 → 0.300 → 0.400" in table[2]
     assert table[3].startswith("| dppo-binary-tv | - | - | - | 0.950 (0.94–0.96) | 0/2 |")
 
@@ -70,6 +71,7 @@ def test_more_seeds_from_another_folder_are_pooled(tmp_path):
     assert curve["min"][-1] == 0.1 and curve["max"][-1] == 1.0
     row = method_row(m)
     assert (row["min"], row["max"]) == (0.2, 0.6)
+    assert "| 0.20 0.40 0.60 |" in report_table(load_study([b, a]))  # seed order, whichever folder comes first
 
 
 def test_merge_and_control_refusals(tmp_path):

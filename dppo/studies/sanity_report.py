@@ -8,8 +8,9 @@ study (and those of the `--control` DIRs into another), and prints one markdown 
 
 - control: final training accuracy (mean over seeds), seeds ending >= 0.95 and collapsed seeds, when a control is
   given;
-- the study: final accuracy (min–max over seeds), collapsed seeds, peak accuracy (the best 5-step running mean,
-  mean over seeds), and the number of seeds whose final accuracy is >= 0.95;
+- the study: final accuracy (min–max over seeds), collapsed seeds, each seed's final accuracy in seed order (✗ =
+  collapsed, `is_collapsed`), peak accuracy (the best 5-step running mean, mean over seeds), and the number of seeds
+  whose final accuracy is >= 0.95;
 - **mismatch by part**: the seed-mean of `mismatch/binary_tv_mean` (mean |π − µ| at the start of a step) averaged
   over each of `--parts` equal spans of the run, first → last: a mismatch that grows with the policy shows as a
   rising sequence (Fig. 3 of the paper), a trust region that holds it shows as a flat or falling one;
@@ -130,6 +131,7 @@ def method_row(m: dict[str, Any], parts: int = 4) -> dict[str, Any]:
         "collapsed": s["collapsed"], "seeds": s["seeds"],
         "peak": sum(peaks) / len(peaks) if peaks else None,
         "at_target": sum(f >= TARGET_FINAL for f in finals),
+        "per_seed": [(p.get("seed"), p.get("final_accuracy"), bool(p.get("collapsed"))) for p in per_seed],
         "mismatch_parts": mismatch_by_part(curve, parts) if len(curve.get("mean") or []) >= parts else [],
         "max_mismatch": s["max_mismatch"], "masked": s["masked_frac"],
     }
@@ -144,7 +146,7 @@ def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, p
     head = ["method"]
     if control is not None:
         head += ["control: final acc", f"≥ {TARGET_FINAL}", "collapsed"]
-    head += ["final acc (min–max)", "collapsed", "peak", f"≥ {TARGET_FINAL}",
+    head += ["final acc (min–max)", "collapsed", "per seed (✗ collapsed)", "peak", f"≥ {TARGET_FINAL}",
              f"mismatch by {'quarter' if parts == 4 else 'part'}", "max", "masked"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in study["methods"].items():
@@ -155,8 +157,10 @@ def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, p
             rc = None if c is None else method_row(c, 1)
             cells += ["-", "-", "-"] if rc is None else [_f(rc["final"]), f"{rc['at_target']}/{rc['seeds']}",
                                                         f"{rc['collapsed']}/{rc['seeds']}"]
+        seeds = " ".join(f"{_f(final, '.2f')}{'✗' if dead else ''}" for _, final, dead in sorted(
+            r["per_seed"], key=lambda x: (x[0] is None, x[0])))
         cells += [f"{_f(r['final'])} ({_f(r['min'], '.2f')}–{_f(r['max'], '.2f')})", f"{r['collapsed']}/{r['seeds']}",
-                  _f(r["peak"]), f"{r['at_target']}/{r['seeds']}",
+                  seeds, _f(r["peak"]), f"{r['at_target']}/{r['seeds']}",
                   " → ".join(_f(x) for x in r["mismatch_parts"]) or "-", _f(r["max_mismatch"], ".2f"),
                   f"{100 * r['masked']:.1f}%" if r["masked"] is not None else "-"]
         lines.append("| " + " | ".join(cells) + " |")
