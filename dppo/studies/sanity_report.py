@@ -30,7 +30,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from dppo.studies.sanity import plot_sanity, summarize_method
+from dppo.studies.sanity import _fmt as _f, plot_sanity, summarize_method
 
 MISMATCH_KEYS = ("engine_dtype", "logit_noise", "quantization", "engine_lag")
 """Settings that name the mismatch source: the only ones a control may differ in."""
@@ -42,8 +42,8 @@ TARGET_FINAL = 0.95
 
 def load_study(dirs: Sequence[str | Path]) -> dict[str, Any]:
     """Merge the `sanity.json` of each folder in `dirs` into {"settings", "methods", "wall_s", "dirs"}.
-    ValueError (naming the folder and the field) when a file is missing, the settings differ beyond
-    `IGNORED_KEYS`, or a method is in two folders."""
+    A method in several folders has its seeds pooled (`merge_seeds`). ValueError (naming the folder and the field)
+    when a file is missing, the settings differ beyond `IGNORED_KEYS`, or a (method, seed) is in two folders."""
     if not dirs:
         raise ValueError("no study folders given")
     settings: dict[str, Any] | None = None
@@ -127,7 +127,7 @@ def method_row(m: dict[str, Any], parts: int = 4) -> dict[str, Any]:
     peaks = [p.get("peak_accuracy") for p in per_seed if p.get("peak_accuracy") is not None]
     curve = m["curves"].get("mismatch/binary_tv_mean") or {}
     return {
-        "final": s["final_accuracy"], "min": min(finals, default=None), "max": max(finals, default=None),
+        "final": s["final_accuracy"], "min": s["final_accuracy_min"], "max": s["final_accuracy_max"],
         "collapsed": s["collapsed"], "seeds": s["seeds"],
         "peak": sum(peaks) / len(peaks) if peaks else None,
         "at_target": sum(f >= TARGET_FINAL for f in finals),
@@ -135,10 +135,6 @@ def method_row(m: dict[str, Any], parts: int = 4) -> dict[str, Any]:
         "mismatch_parts": mismatch_by_part(curve, parts) if len(curve.get("mean") or []) >= parts else [],
         "max_mismatch": s["max_mismatch"], "masked": s["masked_frac"],
     }
-
-
-def _f(x, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, parts: int = 4) -> str:
