@@ -17,6 +17,7 @@ import dppo.rewards.extract
 import dppo.example
 from dppo.rewards import REWARDS, RewardRunner, default_isolation, get_reward
 from dppo.rewards.extract import boxed, extract_answer, last_number
+from dppo.rewards.runner import ISOLATION
 from dppo.tasks import Example, make_task
 
 
@@ -173,6 +174,28 @@ def test_runner_bounds_a_reward_that_never_returns(plugin, isolation):
         # Two 1 s timeouts, possibly one after the other, plus worker restarts on a busy 2-core machine.
         assert elapsed < 15.0
         assert runner(["abc"], [NUM])[0].tolist() == [3.0]  # still usable
+
+
+MIXED = [("ab", 2.0), ("raise", 0.0), ("str", 0.0), ("hang", 0.0), ("abcd", 4.0), ("hang", 0.0), ("a", 1.0)]
+"""(completion, reward): good, raising, non-number and never-returning ("hang") calls, interleaved."""
+NO_TIMEOUT = {"none"}
+"""Isolations that run the reward in the calling thread with no limit: a "hang" item would never return, so
+the shared test leaves those items out there (the rest of the batch is still checked)."""
+
+
+@pytest.mark.parametrize("isolation", list(ISOLATION))
+def test_every_isolation_gives_the_same_rewards_and_counts(plugin, isolation):
+    batch = [(c, r) for c, r in MIXED if not (isolation in NO_TIMEOUT and c == "hang")]
+    completions = [c for c, _ in batch]
+    hangs = completions.count("hang")
+    with RewardRunner("dppo_test_plugin:mixed", isolation=isolation, workers=2, timeout_s=1.0) as runner:
+        runner.start()
+        rewards, stats = runner(completions, [NUM] * len(completions))
+        assert rewards.tolist() == [r for _, r in batch]
+        assert stats == {"failures": 2, "timeouts": hangs}
+        assert sum("timed out after 1 s" in e for e in runner.last_errors) == hangs
+        assert sum("RuntimeError: boom" in e for e in runner.last_errors) == 1
+        assert sum("ValueError: could not convert string to float" in e for e in runner.last_errors) == 1
 
 
 def test_process_runner_survives_a_crashing_worker(plugin):
