@@ -16,7 +16,7 @@ Built-ins (`REWARDS`): exact_match, last_number, leading_number, digit_fraction,
 Isolation (`RewardRunner(isolation=...)`): "process" (default for math_verify, reasoning_gym and every
 custom reward: a pool of worker processes; a call past its timeout gets its worker killed and replaced),
 "thread" (daemon threads; a timed-out call is abandoned, not stopped), "none" (in the calling thread, no
-timeout; default for the trusted regex built-ins exact_match, last_number, leading_number).
+timeout; default for the trusted string built-ins exact_match, last_number, leading_number, digit_fraction).
 """
 
 from __future__ import annotations
