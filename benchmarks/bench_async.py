@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--devices", default="", help="rollout.devices of the async variants (e.g. cuda:1 on a GPU "
                                                   "machine: the engine on its own GPU); '' = the trainer's device")
     args = ap.parse_args()
-    from dppo.train.hardware import cpu_name
+    from dppo.runtime.hardware import cpu_name
 
     variants = [("sync-2t", ["--train.threads", "2"]), ("sync-1t", ["--train.threads", "1"])]
     for k in [int(x) for x in args.ks.split(",")]:

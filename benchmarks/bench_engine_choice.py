@@ -1,5 +1,5 @@
 """Which engine and engine dtype make the demo step fastest on this machine: the evidence for `rollout.engine: auto`
-and `rollout.dtype: auto` (`dppo.train.hardware`).
+and `rollout.dtype: auto` (`dppo.runtime.hardware`).
 
 Runs the demo preset (SmolLM2-135M, 8 prompts x 8 responses, fp32 trainer) for `--steps` steps once per
 (engine, engine dtype) pair, each in its own `dppo train` process, one after the other, with no evaluation, and
@@ -54,7 +54,7 @@ def main() -> None:
                     help="comma-separated engine:dtype pairs")
     ap.add_argument("--steps", type=int, default=8)
     args = ap.parse_args()
-    from dppo.train.hardware import cpu_flags, cpu_name, native_bf16
+    from dppo.runtime.hardware import cpu_flags, cpu_name, native_bf16
 
     import torch
 

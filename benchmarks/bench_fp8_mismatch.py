@@ -33,7 +33,7 @@ import torch
 from dppo.divergence import full_tv
 from dppo.rollout.quantize import add_fp8_activation_hooks, fp8_weights
 from dppo.train.build import build_task
-from dppo.train.models import load_model, load_tokenizer
+from dppo.runtime.models import load_model, load_tokenizer
 from dppo.train.presets import get_preset
 
 DELTA = 0.15

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from dppo.train.models import char_tokenizer, load_model, load_tokenizer, tiny_random_model
+from dppo.runtime.models import char_tokenizer, load_model, load_tokenizer, tiny_random_model
 from dppo.rollout.base import SamplingParams
 from dppo.rollout.hf import HFEngine
 

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from dppo.train.models import load_model, load_tokenizer, resolve_model_path, save_model, tiny_random_model
+from dppo.runtime.models import load_model, load_tokenizer, resolve_model_path, save_model, tiny_random_model
 from dppo.rollout.base import SamplingParams
 from dppo.rollout.hf import HFEngine
 from dppo.rollout.vllm import VLLMEngine

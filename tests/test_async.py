@@ -51,7 +51,7 @@ class _Recording(Trainer):
 
     def _engine_state(self):
         state = super()._engine_state()
-        version = self.step_idx + (1 if self.rollouts is not None else 0)  # at start: version step_idx
+        version = self.step_idx + (1 if hasattr(self, "source") else 0)  # at start (no source yet): step_idx
         self.versions[version] = {k: v.detach().clone() for k, v in state.items()}
         return state
 
@@ -117,16 +117,16 @@ def test_no_trained_response_is_staler_than_k_and_mu_is_its_versions_distributio
 def test_two_workers_share_the_batch_and_sample_differently(tmp_path):
     trainer = _Recording(_cfg(tmp_path, devices="cpu,cpu", steps=2), tmp_path)
     try:
-        assert len(set(trainer.rollouts.pool.pids)) == 2
+        assert len(set(trainer.source.pool.pids)) == 2
         trainer.step()
         _, batch = trainer.batches[0]
         P, G = trainer.cfg.rollout.prompts_per_step, trainer.cfg.rollout.group_size
         assert batch.prompt_index.tolist() == [i // G for i in range(P * G)]
         # one prompt to each worker, same call seed: the second share gets its own seed, so the same prompt is
         # answered differently (with one seed the hf engine would give both the same uniform stream)
-        prompt = trainer._prepare(0)[1][0]
+        prompt = trainer._draw(0).prompts[0]
         params = trainer._sampling_params(0, n=1)
-        a, b = trainer.rollouts.generate([prompt, prompt], params)
+        a, b = trainer.source.generate([prompt, prompt], params)
         assert (a.prompt_index, b.prompt_index) == (0, 1)
         assert not torch.equal(a.response_ids, b.response_ids) or not torch.equal(a.rollout_logp, b.rollout_logp)
         assert trainer.evaluate()["n"] > 0  # evaluation goes through the workers too
@@ -146,9 +146,9 @@ def test_checkpoint_keeps_the_trained_position_and_resume_resamples_in_flight_ba
     resumed = Trainer(replace(cfg, train={"steps": 3}), tmp_path, resume=True)
     try:
         assert resumed.step_idx == 2 and resumed.sampler.position >= 2 * P
-        assert resumed.rollouts.trained_position == 2 * P
+        assert resumed.source.trained_position == 2 * P
         resumed.step()
-        assert resumed.rollouts.trained_position == 3 * P
+        assert resumed.source.trained_position == 3 * P
     finally:
         resumed.close()
 
@@ -188,7 +188,7 @@ def test_a_killed_worker_is_named_and_nothing_hangs(tmp_path):
     trainer = Trainer(_cfg(tmp_path, steps=4), tmp_path)
     try:
         trainer.step()
-        pid = trainer.rollouts.pool.pids[0]
+        pid = trainer.source.pool.pids[0]
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(WorkerError, match=rf"rollout worker 0 \(cpu, pid {pid}\) died \(pid {pid}, exit code -9\)"):
@@ -202,7 +202,7 @@ def test_a_killed_worker_is_named_and_nothing_hangs(tmp_path):
 def test_a_hung_worker_is_reported_after_the_timeout(tmp_path, monkeypatch):
     monkeypatch.setenv("DPPO_FAULT_INJECT", "worker_hang@3")  # the worker's request of step 3 never returns
     trainer = Trainer(_cfg(tmp_path, steps=4, max_staleness=0), tmp_path)
-    trainer.rollouts.pool.timeout_s = 3.0  # rollout.worker_timeout_s, shortened once the worker has started
+    trainer.source.pool.timeout_s = 3.0  # rollout.worker_timeout_s, shortened once the worker has started
     try:
         trainer.step()
         trainer.step()
@@ -210,7 +210,7 @@ def test_a_hung_worker_is_reported_after_the_timeout(tmp_path, monkeypatch):
         with pytest.raises(WorkerError, match=r"rollout worker 0 \(cpu, pid \d+\) returned nothing for 3 s"):
             trainer.step()
         assert 2.5 < time.monotonic() - t0 < 15
-        pid = trainer.rollouts.pool.pids[0]
+        pid = trainer.source.pool.pids[0]
     finally:
         trainer.close()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -277,8 +277,8 @@ def test_ray_workers_on_two_nodes(tmp_path):
         cfg = _cfg(tmp_path, backend="ray", ray_address=cluster.address, devices="cpu,cpu", steps=3)
         trainer = _Recording(cfg, tmp_path)
         try:
-            nodes = {info["node"] for info in trainer.rollouts.pool.info}
-            assert len(nodes) == 2, trainer.rollouts.pool.info
+            nodes = {info["node"] for info in trainer.source.pool.info}
+            assert len(nodes) == 2, trainer.source.pool.info
             metrics = [trainer.step() for _ in range(3)]
             assert max(m["rollout/staleness_max"] for m in metrics) == 1
             step, batch = trainer.batches[-1]
@@ -349,10 +349,10 @@ def test_a_local_worker_loads_a_version_published_mid_response(tmp_path):
     from dppo.rollout.remote.local import _load_latest
     from dppo.rollout.remote.worker import Request, WorkerCore
     from dppo.train.batch import collate
-    from dppo.train.build import build_model
+    from dppo.train.build import build_model, engine_spec
 
     cfg = _cfg(tmp_path, in_flight_updates=True, max_new_tokens=20)
-    core = WorkerCore(cfg, 0, "cpu", 1)
+    core = WorkerCore(engine_spec(cfg, device="cpu"), 0, 1)
     v0 = {k: v.detach().clone() for k, v in core.engine.model.state_dict().items()}
     v1 = {k: v + 0.05 * torch.randn_like(v) for k, v in v0.items()}
     shared = {k: v.clone() for k, v in v0.items()}
@@ -364,7 +364,7 @@ def test_a_local_worker_loads_a_version_published_mid_response(tmp_path):
     version.value = 1
     trainer = Trainer(_cfg(tmp_path / "t", mode="sync"), tmp_path / "t")  # for its prompts and sampling params
     try:
-        prompts, params = trainer._prepare(0)[1], trainer._sampling_params(0)
+        prompts, params = trainer._draw(0).prompts, trainer._sampling_params(0)
     finally:
         trainer.close()
     result = core.run(Request(1, 0, prompts, dataclasses.replace(params, max_new_tokens=20)))

@@ -1,7 +1,7 @@
 """Kill -9 at three points of a run, resume, and compare with an uninterrupted run: identical weights and metrics.
 
 Conditions for bitwise equality (stated in the README): CPU, the `hf` engine (its sampling is seeded per step and
-per row), the same thread count. The crash is injected with DPPO_FAULT_INJECT (dppo.train.faults).
+per row), the same thread count. The crash is injected with DPPO_FAULT_INJECT (dppo.runtime.faults).
 """
 
 import json

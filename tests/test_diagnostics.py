@@ -126,7 +126,7 @@ def test_trust_region_overrides_and_unknown_name():
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from dppo.train.models import char_tokenizer, save_model, tiny_random_model
+    from dppo.runtime.models import char_tokenizer, save_model, tiny_random_model
 
     tok = char_tokenizer()
     model = tiny_random_model(tok, hidden_size=64, num_heads=2, num_kv_heads=2, initializer_range=0.2, seed=0)

@@ -123,7 +123,7 @@ def test_engine_lag_samples_with_the_weights_of_k_steps_ago(tmp_path):
         snapshots = [{n: p.detach().clone() for n, p in trainer.model.named_parameters()}]
         staleness = []
         for _ in range(3):
-            staleness.append(trainer.step()["rollout/staleness_steps"])
+            staleness.append(trainer.step()["rollout/staleness_max"])
             snapshots.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
             engine_w = dict(trainer.engine.model.named_parameters())
             lagged = snapshots[max(0, len(snapshots) - 2)]  # the weights of one optimiser step ago

@@ -1,4 +1,4 @@
-"""Hardware-aware precision and engine (`dppo.train.hardware`), with faked CPU flags and CUDA capabilities; the registry's
+"""Hardware-aware precision and engine (`dppo.runtime.hardware`), with faked CPU flags and CUDA capabilities; the registry's
 trust-region parameters as config fields and CLI flags; the options that were unreachable before."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dppo.train import hardware
+from dppo.runtime import hardware
 from dppo.train.config import Config, ConfigError, replace
 from dppo.train.presets import get_preset
 from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params

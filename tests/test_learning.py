@@ -10,7 +10,7 @@ import json
 import pytest
 
 from dppo.train.config import Config, replace
-from dppo.train.models import char_tokenizer, save_model, tiny_random_model
+from dppo.runtime.models import char_tokenizer, save_model, tiny_random_model
 from dppo.studies.sft import sft_warm_start
 from dppo.tasks import make_task
 from dppo.train.trainer import Trainer

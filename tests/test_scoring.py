@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dppo.train.models import char_tokenizer, tiny_random_model
+from dppo.runtime.models import char_tokenizer, tiny_random_model
 from dppo.train.scoring import score_responses, score_responses_reference
 
 

@@ -132,7 +132,7 @@ def test_addition_prompts_use_the_tiny_alphabet():
 
 
 def test_reverse_prompts_answers_lengths_and_vocabulary():
-    from dppo.train.models import char_tokenizer
+    from dppo.runtime.models import char_tokenizer
 
     tok = char_tokenizer()
     task = make_task("reverse", size=200, eval_size=50, seed=1)  # defaults: 16..20 characters

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from dppo.cli import main
 from dppo.train.config import ConfigError, replace
-from dppo.train.models import char_tokenizer, tiny_random_model
+from dppo.runtime.models import char_tokenizer, tiny_random_model
 from dppo.train.presets import get_preset
 from dppo.train.trainer import Trainer
 from dppo.trust_region import TRUST_REGIONS

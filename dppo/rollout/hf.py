@@ -47,7 +47,7 @@ _MASK64 = (1 << 64) - 1
 class HFEngine:
     """Rollout engine on a transformers causal LM (see the module docstring for how it samples).
 
-    model: an `nn.Module` or a name/path for `dppo.train.models.load_model`. tokenizer: needed for chat-message
+    model: an `nn.Module` or a name/path for `dppo.runtime.models.load_model`. tokenizer: needed for chat-message
         prompts and for EOS/pad ids (if None and `model` is a name/path, it is loaded from there). dtype: the
         engine's weight dtype (default: the model's, or float32 for a name/path). seed: seeds the engine's
         generator. max_batch_rows: largest number of responses decoded together (whole prompts per batch;
@@ -70,7 +70,7 @@ class HFEngine:
         max_batch_rows: int | None = None,
         copy: bool = True,
     ) -> None:
-        from dppo.train import models
+        from dppo.runtime import models
 
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)

@@ -83,7 +83,7 @@ def _import_vllm():
 class VLLMEngine:
     """Rollout engine on `vllm.LLM` in this process (see the module docstring for how it samples).
 
-    model: a built-in name or a local model folder (see `dppo.train.models.resolve_model_path`), or a transformers
+    model: a built-in name or a local model folder (see `dppo.runtime.models.resolve_model_path`), or a transformers
         `PreTrainedModel` (saved to a temporary folder, removed by `close`). tokenizer: needed for chat-message
         prompts (default: loaded from the model folder when it has one). dtype: the engine's weight dtype
         (default: the checkpoint's). seed: seeds the engine (see the module docstring). max_logprobs: the
@@ -347,7 +347,7 @@ def _save_on_any_rank(model, folder: str) -> None:
 def _model_folder(model, tokenizer, tmpdir: str | None) -> tuple[Path, object]:
     """(folder vLLM loads, tokenizer): a module is saved to `tmpdir`; a name/path is resolved (ValueError if
     missing); the tokenizer defaults to the folder's, if it has one."""
-    from dppo.train import models
+    from dppo.runtime import models
 
     if isinstance(model, nn.Module):
         if not hasattr(model, "save_pretrained"):

@@ -285,7 +285,7 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers:
     "reverse"; `options` replaces the task's options, default `task_options(task, digits=digits)`), saved to
     `out_dir/warm-<hash of the arguments, task and options included>/` and reused when that folder already holds a
     model. `sft_steps` / `batch_size` default to the task's `TASK_DEFAULTS`."""
-    from dppo.train.models import char_tokenizer, save_model, tiny_random_model
+    from dppo.runtime.models import char_tokenizer, save_model, tiny_random_model
     from dppo.studies.sft import sft_warm_start
     from dppo.tasks import make_task
 

@@ -1,7 +1,9 @@
-"""Build the trainer's parts from a `Config`: task, reward runner, policy model (+LoRA), rollout engine.
+"""Build the trainer's parts from a `Config`: task, reward runner, policy model (+LoRA), scorer, and the rollout
+source (the engine spec it is built from, the checks of the rollout set-up on this machine).
 
-Also the two weight helpers the trainer needs: `trainable_state` (what a checkpoint stores) and
-`sync_weights` (the trainer's current weights, LoRA merged, pushed into the engine).
+This is where the run config ends: below it, engines, workers and sources take an `EngineSpec` and explicit
+arguments. Also the two weight helpers the trainer needs: `trainable_state` (what a checkpoint stores) and
+`engine_state` (the weights, LoRA merged, that an engine loads).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import torch
 from torch import nn
 
 from dppo.train.config import Config
-from dppo.trust_region import DEFAULT_TOP_K
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -60,28 +61,20 @@ def build_reward_runner(cfg: Config, task):
                         task=cfg.task.name)
 
 
-def build_model(cfg: Config, run_dir: Path):
-    """The policy (trainable, in train mode), its tokenizer, and a folder holding its initial weights
-    (for path-based engines; None unless one is needed)."""
-    from dppo.train import models
+def model_spec(cfg: Config):
+    """The `ModelSpec` of the run's policy (what an engine loads to hold the same architecture)."""
+    from dppo.runtime.models import ModelSpec
 
     m = cfg.model
-    dtype = _DTYPES[m.dtype]
-    if m.name == "tiny-random":
-        tokenizer = models.char_tokenizer()
-        heads = max(1, m.tiny_hidden // 32)  # head size 32: supported by every attention backend (vLLM CPU too)
-        model = models.tiny_random_model(tokenizer, hidden_size=m.tiny_hidden, num_layers=m.tiny_layers,
-                                         num_heads=heads, num_kv_heads=heads, seed=cfg.train.seed, dtype=dtype)
-        path = None
-    else:
-        try:
-            path = models.resolve_model_path(m.name)
-        except ValueError as exc:
-            raise ValueError(f"model.name: {exc}") from exc
-        tokenizer = models.load_tokenizer(path)
-        model = models.load_model(path, dtype=dtype)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    return ModelSpec(m.name, tiny_hidden=m.tiny_hidden, tiny_layers=m.tiny_layers, seed=cfg.train.seed)
+
+
+def build_model(cfg: Config, run_dir: Path | None = None):
+    """The policy (trainable, in train mode), its tokenizer, and its folder (None for tiny-random)."""
+    from dppo.runtime import models
+
+    m = cfg.model
+    model, tokenizer, path = models.load(model_spec(cfg), dtype=_DTYPES[m.dtype])
     model.to(resolve_device(m.device))
     if m.gradient_checkpointing:  # non-reentrant: gradients reach LoRA adapters whose inputs need no grad
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -148,58 +141,110 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_rollout(cfg: Config) -> tuple:
     """(engine, engine dtype, warning or None) for this machine: `rollout.engine/dtype: auto` resolved by
-    `dppo.train.hardware`, each with its reason."""
-    from dppo.train import hardware
+    `dppo.runtime.hardware`, each with its reason."""
+    from dppo.runtime import hardware
 
     device = resolve_device(cfg.model.device)
     dtype, warning = hardware.resolve_dtype(cfg.rollout.dtype, device)
     return hardware.resolve_engine(cfg.rollout.engine, dtype.value, device), dtype, warning
 
 
-def build_engine(cfg: Config, model: nn.Module, tokenizer, model_path: Path | None, *, seed_offset: int = 0,
-                 announce=None):
-    """The rollout engine, holding a copy of `model`'s weights. seed_offset: added to the engine's seed (the
-    rank in a multi-process run, so that ranks sample different responses). announce: called with the line
-    that says which engine and dtype were chosen and why (and with the emulated-bf16 warning)."""
-    from dppo.train.hardware import describe
-    from dppo.rollout import make_engine
+def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0):
+    """The run's `EngineSpec` (engine and dtype resolved for this machine): what an in-process engine and every
+    rollout worker are built from. device: the engine's (default: the trainer's)."""
+    from dppo.rollout.spec import EngineSpec
 
     r = cfg.rollout
-    engine_choice, dtype_choice, warning = resolve_rollout(cfg)
-    for line in (describe(engine_choice, dtype_choice), warning and f"[dppo] warning: {warning}"):
+    engine, dtype, _ = resolve_rollout(cfg)
+    vllm = ({"gpu_memory_utilization": r.vllm_gpu_memory_utilization} if torch.cuda.is_available()
+            else {"kv_cache_gb": r.vllm_kv_cache_gb})  # on CUDA vLLM shares the GPU with the trainer
+    return EngineSpec(model_spec(cfg), kind=engine.value, dtype=dtype.value,
+                      device=device or resolve_device(cfg.model.device).type, seed=cfg.train.seed + seed_offset,
+                      top_k_logprobs=cfg.top_k_logprobs, quantization=r.quantization,
+                      fp8_activations=r.fp8_activations, hf_max_batch_rows=r.hf_max_batch_rows,
+                      vllm=vllm if engine.value == "vllm" else {})
+
+
+def announce_rollout(cfg: Config, announce) -> None:
+    """Say which engine and dtype `auto` chose and why (and the emulated-bf16 warning)."""
+    from dppo.runtime.hardware import describe
+
+    engine, dtype, warning = resolve_rollout(cfg)
+    for line in (describe(engine, dtype), warning and f"[dppo] warning: {warning}"):
         if line and announce is not None:
             announce(line)
-    name, dtype = engine_choice.value, dtype_choice.value
-    top_k = cfg.top_k_logprobs
-    if name == "hf":
-        engine = make_engine("hf", model=merged_model_copy(model), tokenizer=tokenizer, dtype=_DTYPES[dtype],
-                             seed=cfg.train.seed + seed_offset, copy=False, max_batch_rows=r.hf_max_batch_rows or None)
-        if top_k > engine.max_logprobs:  # fail at start-up, not at the first generate
-            raise ValueError(f"rollout.top_k_logprobs: {top_k} exceeds the hf engine's max_logprobs "
-                             f"{engine.max_logprobs} (the vocabulary size)")
-        return _quantized(cfg, engine, model)
-    # vLLM loads from a folder: the built-in's folder when the weights are untouched, else the engine saves
-    # the (merged) module to a temporary folder itself. Either way the trainer's weights are synced in.
-    source = model_path if model_path is not None and not cfg.model.lora_rank else merged_model_copy(model)
-    # On CUDA the engine shares the GPU with the trainer (a memory fraction); on CPU its KV cache is bounded in GB.
-    extra = ({"gpu_memory_utilization": r.vllm_gpu_memory_utilization} if torch.cuda.is_available()
-             else {"kv_cache_gb": r.vllm_kv_cache_gb})
-    engine = make_engine("vllm", source, tokenizer, dtype=dtype, seed=cfg.train.seed + seed_offset,
-                         max_logprobs=max(DEFAULT_TOP_K, top_k), **extra)
-    if cfg.rollout.quantization == "none":
-        sync_weights(engine, model)
-    return _quantized(cfg, engine, model)
 
 
-def _quantized(cfg: Config, engine, model: nn.Module):
-    """The engine itself, or with rollout.quantization fp8 a `QuantizedEngine` holding the quantised weights."""
-    if cfg.rollout.quantization == "none":
-        return engine
-    from dppo.rollout.quantize import QuantizedEngine
+def check_rollout(cfg: Config, trainer_device: torch.device) -> None:
+    """ConfigError naming the field for a rollout set-up that cannot work on this machine, before any model
+    loads (rollout.mode async: a device this machine does not have, an engine that cannot receive weights, Ray
+    not installed)."""
+    import importlib.util
 
-    engine = QuantizedEngine(engine, activations=cfg.rollout.fp8_activations)
-    sync_weights(engine, model)
+    from dppo.rollout import engine_class
+    from dppo.train.config import ConfigError
+
+    r = cfg.rollout
+    if r.mode != "async":
+        return
+    if r.backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("rollout.backend: 'ray' needs the ray package (pip install -r requirements/integrations.txt)")
+    if r.backend == "local":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for device in worker_devices(cfg, trainer_device):
+            if device.startswith("cuda"):
+                index = int(device.split(":")[1]) if ":" in device else 0
+                if index >= gpus:
+                    raise ConfigError(f"rollout.devices: {device!r} does not exist on this machine "
+                                      f"({gpus} CUDA device(s))")
+    engine, _, _ = resolve_rollout(cfg)
+    if r.in_flight_updates and engine.value != "hf":
+        raise ConfigError(f"rollout.in_flight_updates: needs the hf engine (rollout.engine auto chose {engine.value!r} "
+                          f"here; set rollout.engine hf)")
+    if not callable(getattr(engine_class(engine.value), "load_weights", None)):
+        raise ConfigError(f"rollout.engine: {engine.value!r} cannot receive weights (no load_weights), which "
+                          f"rollout.mode async needs after every optimiser step")
+
+
+def worker_devices(cfg: Config, trainer_device: torch.device) -> list[str]:
+    """async: one device per rollout worker: rollout.devices, or one worker on the trainer's device type."""
+    return cfg.rollout.device_list or [trainer_device.type]
+
+
+def build_engine(cfg: Config, model: nn.Module, *, dist=None, seed_offset: int = 0, announce=None):
+    """An in-process engine built from the run's spec, holding `model`'s weights (LoRA merged; under FSDP2 a
+    collective). For evaluation and tools; the trainer's engine lives in its `RolloutSource`."""
+    from dppo.rollout.spec import build_engine as from_spec
+
+    announce_rollout(cfg, announce)
+    engine = from_spec(engine_spec(cfg, seed_offset=seed_offset))
+    engine.load_weights(engine_state(model, dist))
     return engine
+
+
+def build_source(cfg: Config, *, draw, weights: dict[str, torch.Tensor], version: int, position: int,
+                 device: torch.device, rank: int = 0, announce=None):
+    """The trainer's `RolloutSource` for rollout.mode, holding `weights` as version `version`: an engine in this
+    process (sync; `rollout.engine_lag` versions behind) or rollout workers (async). draw(step) -> `Draw`: the
+    trainer's prompt draw; position: the prompt sampler's position now."""
+    from dppo.rollout.source import EngineSource
+    from dppo.rollout.spec import build_engine as from_spec
+
+    r = cfg.rollout
+    announce_rollout(cfg, announce)
+    if r.mode == "sync":  # ranks sample differently: engine seed train.seed + rank
+        engine = from_spec(engine_spec(cfg, seed_offset=rank))
+        return EngineSource(engine, draw, weights=weights, version=version, start_position=position, lag=r.engine_lag)
+    from dppo.rollout.async_source import AsyncSource
+    from dppo.rollout.remote import start_pool
+
+    pool = start_pool(r.backend, engine_spec(cfg), worker_devices(cfg, device), weights, version,
+                      threads=r.worker_threads, timeout_s=r.worker_timeout_s, seed_offset=1000 * rank,
+                      in_flight=r.in_flight_updates, address=r.ray_address)
+    if announce is not None:
+        announce(f"[dppo] rollout: async, max_staleness {r.max_staleness}, {r.backend} backend, "
+                 + "; ".join(pool.name(i) for i in range(len(pool.devices))))
+    return AsyncSource(pool, draw, max_staleness=r.max_staleness, start_step=version, start_position=position)
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -231,25 +276,11 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def merged_model_copy(model: nn.Module) -> nn.Module:
-    """A plain (non-peft) copy of the model with LoRA merged in, for engines that hold their own copy."""
-    import copy
-
-    copied = copy.deepcopy(model)
-    return copied.merge_and_unload() if hasattr(copied, "get_base_model") else copied
-
-
-def sync_weights(engine, model: nn.Module, dist=None) -> None:
-    """Push the trainer's weights (LoRA merged) into the engine; under FSDP2 (`dist.sharded`) every rank gathers
-    the full weights once (a collective) and loads them into its own engine."""
-    engine.load_weights(engine_weights(model, dist))
-
-
-def engine_weights(model: nn.Module, dist=None):
-    """What the engine loads: the module itself, its LoRA-merged state dict, or under FSDP2 the gathered full
-    weights (a collective: every rank must call it)."""
+def engine_state(model: nn.Module, dist=None) -> dict[str, torch.Tensor]:
+    """The weights an engine loads, as a state dict with HF names: the model's own (views, no copy), LoRA merged
+    (out of place), or under FSDP2 the gathered full weights (a collective: every rank must call it)."""
     if dist is not None and dist.sharded:
         from dppo.train.checkpoint import full_state
 
         return full_state(dist, model, trainable_only=False, rank0_only=False)
-    return merged_state_dict(model) if hasattr(model, "get_base_model") else model
+    return merged_state_dict(model)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from safetensors.torch import load_file, save_file
 
-from dppo.train.faults import fault_point
+from dppo.runtime.faults import fault_point
 
 if TYPE_CHECKING:
     from dppo.train.distributed import Dist

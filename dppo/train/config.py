@@ -76,7 +76,7 @@ class RolloutConfig:
     """The inference engine that samples the responses (the rollout policy µ)."""
 
     engine: Literal["auto", "hf", "vllm"] = "auto"
-    """auto = the faster engine for the hardware and engine dtype (dppo.train.hardware.resolve_engine): vllm on CUDA
+    """auto = the faster engine for the hardware and engine dtype (dppo.runtime.hardware.resolve_engine): vllm on CUDA
     and on CPUs in bf16; hf on CPUs in float32 (it shares each prompt's prefix across its G samples). vllm
     only when importable."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -43,7 +43,8 @@ def engine_prompts(examples, tokenizer) -> list:
 
 
 def evaluate(engine, tokenizer, reward_runner, examples, params: SamplingParams, *, pad_id: int) -> dict[str, float]:
-    """params.n sampled responses per example: pass@1 (reward >= 1) and mean reward over all of them."""
+    """params.n sampled responses per example: pass@1 (reward >= 1) and mean reward over all of them. `engine`: an
+    engine or a `RolloutSource` (anything with `generate(prompts, params)`)."""
     if not examples:
         raise ValueError("examples: the evaluation set is empty")
     batch = collate(engine.generate(engine_prompts(examples, tokenizer), params), pad_id=pad_id)
@@ -66,7 +67,7 @@ def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:
             raise ValueError(f"--run-dir: no complete checkpoint under {run_dir / 'checkpoints'}")
         source, ckpt = str(found[0]), found[1]
         load_checkpoint_weights(model, ckpt["weights"], found[0], flag="--run-dir")
-    engine = build_engine(cfg, model, tokenizer, path)
+    engine = build_engine(cfg, model)
     try:
         temp = cfg.train.eval_temperature or cfg.rollout.temperature
         eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)

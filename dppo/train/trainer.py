@@ -1,17 +1,18 @@
-"""The DPPO training loop (spec §7): rollout → reward → advantage → E×M updates → weight sync → log.
+"""The DPPO training loop (spec §7): rollout → reward → advantage → E×M updates → publish weights → log.
 
-`Trainer.step` reads top to bottom. The importance weight of every update is π/µ against the engine's
-recorded log-probs; the trust-region mask is anchored at µ (or at the recomputed π_old when
-`loss.anchor = "recompute"`, which costs one extra no-grad forward). Mini-batches after the first are
-off-policy by construction — what the trust region is for. With `rollout.mode async` the batch comes from rollout
-workers that sampled it ahead, up to rollout.max_staleness versions behind (`dppo.train.async_rollouts`), and
-"weight sync" publishes a new version to them. All metrics stay tensors until the end of an
-optimiser step (one host sync per optimiser step, for the finite-gradient check) and of a training step.
+`Trainer.step` reads top to bottom, the same in every sampling mode: the batch comes from a `RolloutSource`
+(`dppo.rollout.source`: an engine in this process, the same engine rollout.engine_lag versions behind, or rollout
+workers that sample ahead, up to rollout.max_staleness versions behind), and the new weights are published to it
+as the next version. Each response records the version that sampled it, so its staleness is measured. The
+importance weight of every update is π/µ against the engine's recorded log-probs; the trust-region mask is
+anchored at µ (or at the recomputed π_old when `loss.anchor = "recompute"`, which costs one extra no-grad
+forward). Mini-batches after the first are off-policy by construction — what the trust region is for. All
+metrics stay tensors until the end of an optimiser step (one host sync per optimiser step, for the
+finite-gradient check) and of a training step.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import gc
 import math
@@ -32,13 +33,15 @@ from dppo.advantages import compute_advantages
 from dppo.train.checkpoint import load_latest, load_optimizer, save_training_checkpoint, set_rng_state
 from dppo.train.config import Config
 from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
-from dppo.train.faults import fault_point
+from dppo.runtime.faults import fault_point
 from dppo.train.logger import RunLogger
 from dppo.rewards.runner import NonFiniteRewardError
 from dppo.losses import LOSSES, aggregation_denominator
 from dppo.rollout.base import SamplingParams
 from dppo.train.batch import RolloutBatch, collate
-from dppo.train.build import build_engine, build_model, build_reward_runner, build_scorer, build_task, engine_weights, resolve_device, sync_weights
+from dppo.rollout.source import Draw
+from dppo.train.build import (build_model, build_reward_runner, build_scorer, build_source, build_task, check_rollout,
+                              engine_state, resolve_device)
 from dppo.train.evaluation import decode_responses, engine_prompts, evaluate, load_checkpoint_weights
 from dppo.train.scoring import Scores
 from dppo.trust_region import TRUST_REGIONS
@@ -139,18 +142,11 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         _seed_everything(cfg.train.seed)
-        self.rollouts = None  # rollout.mode async: the AsyncRollouts in front of the worker pool
-        if cfg.rollout.mode == "async":
-            from dppo.rollout.remote import check_async
-
-            check_async(cfg, resolve_device(cfg.model.device))  # before any model loads
+        check_rollout(cfg, resolve_device(cfg.model.device))  # before any model loads
         self.task = build_task(cfg)  # validates data before any model is loaded
         self.train_examples, self.eval_examples = list(self.task.train), list(self.task.eval)
         self.reward_runner = build_reward_runner(cfg, self.task)
         self.model, self.tokenizer, self.model_path = build_model(cfg, self.run_dir)
-        announce = lambda line: print(line, flush=True) if self.dist.is_main else None  # noqa: E731
-        self.engine = None if cfg.rollout.mode == "async" else build_engine(
-            cfg, self.model, self.tokenizer, self.model_path, seed_offset=self.dist.rank, announce=announce)
         self.scorer = build_scorer(cfg, self.model, self.dist)  # DDP/FSDP2 under torchrun (FSDP2 shards self.model)
         self.loss_fn, self.loss_settings = LOSSES[cfg.loss.loss], cfg.loss.settings()
         region = TRUST_REGIONS[cfg.loss.trust_region]
@@ -167,36 +163,22 @@ class Trainer:
         self.consecutive_skips = 0  # optimiser steps skipped in a row; train.max_consecutive_skips stops the run
         self._first_skip: tuple[int, str] | None = None  # (step, non-finite tensor) that began the current streak
         self._log_write_s = 0.0  # seconds the logger took to write the previous step's metrics
-        self._lagged: collections.deque = collections.deque()  # rollout.engine_lag: weights waiting for the engine
         if resume:
             self._restore()
-        if resume and self.engine is not None:  # (with rollout.engine_lag the lag restarts from the resumed weights)
-            sync_weights(self.engine, self.model, self.dist)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.stop_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id] if i is not None}))
         self.logger = RunLogger.for_run(self.run_dir, cfg, start_step=self.step_idx, active=self.dist.is_main)
-        if cfg.rollout.mode == "async":
-            self._start_async(announce)
+        announce = lambda line: print(line, flush=True) if self.dist.is_main else None  # noqa: E731
+        # the engine (or the rollout workers) holding the current weights as version step_idx; with
+        # rollout.engine_lag a resumed run's lag restarts from the resumed weights
+        self.source = build_source(cfg, draw=self._draw, weights=self._engine_state(), version=self.step_idx,
+                                   position=self.sampler.position, device=self.device, rank=self.dist.rank,
+                                   announce=announce)
 
-    def _start_async(self, announce) -> None:
-        """Start the rollout workers (rollout.mode async) holding the current weights as version step_idx."""
-        from dppo.rollout.remote import start_pool, worker_devices
-        from dppo.train.async_rollouts import AsyncRollouts
-        from dppo.train.build import resolve_rollout
-        from dppo.train.hardware import describe
-
-        r = self.cfg.rollout
-        engine, dtype, warning = resolve_rollout(self.cfg)
-        for line in (describe(engine, dtype), warning and f"[dppo] warning: {warning}"):
-            if line:
-                announce(line)
-        pool = start_pool(self.cfg, worker_devices(self.cfg, self.device), self._engine_state(), self.step_idx,
-                          rank=self.dist.rank)
-        self.rollouts = AsyncRollouts(pool, max_staleness=r.max_staleness, prepare=self._prepare,
-                                      start_step=self.step_idx, start_position=self.sampler.position)
-        self.engine = self.rollouts
-        announce(f"[dppo] rollout: async, max_staleness {r.max_staleness}, {r.backend} backend, "
-                 + "; ".join(pool.name(i) for i in range(len(pool.devices))))
+    @property
+    def engine(self):
+        """The in-process rollout engine (None when the rollout workers sample: rollout.mode async)."""
+        return self.source.engine
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -239,16 +221,11 @@ class Trainer:
         failure = None
         try:
             with timer.time("generation"):
-                if self.rollouts is not None:  # async: the batch of this step, sampled ahead by the workers
-                    examples, rollouts = self.rollouts.take(self.step_idx)
-                else:
-                    examples, prompts, params, _ = self._prepare(self.step_idx)
-                    rollouts = self.engine.generate(prompts, params)
+                examples, rollouts = self.source.take(self.step_idx)
                 fault_point("rollout", self.step_idx + 1)
                 cpu_batch = collate(rollouts, pad_id=self.pad_id)
-                batch = cpu_batch.to(self.device)
-                if self.rollouts is not None:  # staleness of each response: trained by version step_idx
-                    batch.extras["staleness"] = (self.step_idx - batch.weight_version).to(self.device)
+                batch = cpu_batch.to(self.device)  # staleness of each response: trained by version step_idx
+                batch.extras["staleness"] = (self.step_idx - batch.weight_version).to(self.device)
             with timer.time("reward"):
                 completions = decode_responses(cpu_batch, self.tokenizer)
                 rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
@@ -267,41 +244,35 @@ class Trainer:
         with timer.time("sync"):
             self._publish_weights()
         self.step_idx += 1
-        async_stats = self._async_stats(t_start) if self.rollouts is not None else {}
+        source_stats = self.source.metrics()
         with timer.time("metrics"):
             self.logger.log_samples(self.step_idx, self._samples(completions, rewards, batch, examples))
             metrics = self._step_metrics(batch, rewards, reward_stats, adv_stats, update_stats)
-            for j in range(self.cfg.rollout.max_staleness + 1 if self.rollouts is not None else 0):
+            for j in range(self.source.max_staleness + 1):
                 if metrics[f"rollout/staleness_frac_{j}"] == 0.0:  # per-staleness values of a staleness not trained
                     metrics.pop(f"mismatch/binary_tv_stale_{j}", None)
                     metrics.pop(f"trust_region/masked_frac_stale_{j}", None)
         step_s = time.perf_counter() - t_start
         tokens = metrics["perf/response_tokens"] + metrics["perf/prompt_tokens"]  # (all ranks)
-        return {**metrics, **async_stats, **timer.as_metrics(), "perf/step_s": step_s,
+        return {**metrics, **source_stats, **timer.as_metrics(), "perf/step_s": step_s,
                 "perf/tokens_per_s": tokens / max(step_s, 1e-9), "perf/log_write_prev_s": self._log_write_s}
 
-    def _prepare(self, step: int):
-        """The prompts of training step `step`: (examples, engine prompts, sampling params, sampler position after).
-        Every rank draws the same prompts and keeps its contiguous share (whole groups stay on one rank)."""
+    def _draw(self, step: int) -> Draw:
+        """The prompts of training step `step` (the source calls it when it samples that step's batch). Every rank
+        draws the same prompts and keeps its contiguous share (whole groups stay on one rank)."""
         examples = [self.train_examples[i] for i in self.dist.shard(self.sampler.next(self.cfg.rollout.prompts_per_step))]
-        return examples, engine_prompts(examples, self.tokenizer), self._sampling_params(step), self.sampler.position
-
-    def _async_stats(self, t_start: float) -> dict[str, float]:
-        """rollout.mode async: the trainer's wait for rollouts (idle) and the workers' idle fraction this step."""
-        step_s = max(time.perf_counter() - t_start, 1e-9)
-        wait = self.rollouts.last_wait_s
-        return {"async/trainer_wait_s": wait, "async/trainer_idle_frac": wait / step_s, **self.rollouts.worker_stats()}
+        return Draw(examples, engine_prompts(examples, self.tokenizer), self._sampling_params(step), self.sampler.position)
 
     # ------------------------------------------------------------------ pieces of a step
     def _sampling_params(self, step: int, *, n: int | None = None, temperature: float | None = None,
-                         top_k: int | None = None) -> SamplingParams:
+                         top_k_logprobs: int | None = None) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(
             n=r.group_size if n is None else n,
             temperature=r.temperature if temperature is None else temperature,
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=self.stop_ids,
-            top_k_logprobs=self.cfg.top_k_logprobs if top_k is None else top_k,
+            top_k_logprobs=self.cfg.top_k_logprobs if top_k_logprobs is None else top_k_logprobs,
             seed=self.cfg.train.seed * 100_003 + step + (self.dist.rank << 32),  # ranks sample differently
         )
 
@@ -319,24 +290,12 @@ class Trainer:
             )
 
     def _publish_weights(self) -> None:
-        """After an update: the engine gets the trainer's weights, or with rollout.engine_lag k > 0 the weights of k
-        optimiser steps ago (kept as CPU copies until then)."""
-        if self.rollouts is not None:  # async: a new version for the workers
-            self.rollouts.publish(self.step_idx + 1, self._engine_state())
-            return
-        lag = self.cfg.rollout.engine_lag
-        if not lag:
-            sync_weights(self.engine, self.model, self.dist)
-            return
-        weights = self._engine_state()
-        self._lagged.append({k: v.detach().to("cpu", copy=True) for k, v in weights.items()})
-        if len(self._lagged) > lag:
-            self.engine.load_weights(self._lagged.popleft())
+        """After a training step: its weights become version step_idx + 1 of the source (versions count steps)."""
+        self.source.publish(self.step_idx + 1, self._engine_state())
 
     def _engine_state(self) -> dict[str, Tensor]:
         """The weights an engine loads, as a state dict (LoRA merged; under FSDP2 a collective)."""
-        weights = engine_weights(self.model, self.dist)
-        return weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+        return engine_state(self.model, self.dist)
 
     def _recompute(self, batch: RolloutBatch) -> Scores:
         """π_old's scores of the whole batch before any update (the recompute anchor), one micro-batch at a time."""
@@ -364,7 +323,7 @@ class Trainer:
     def _update(self, batch: RolloutBatch, adv: Tensor, old, timer: StepTimer | None = None) -> dict[str, Any]:
         cfg = self.cfg
         timer = timer or StepTimer(cuda=self.device.type == "cuda")
-        acc = _Accumulator(self.device, self.cfg.rollout.max_staleness if self.rollouts is not None else None)
+        acc = _Accumulator(self.device, self.source.max_staleness)
         first = True
         for epoch in range(cfg.train.epochs):
             for mb in self._minibatches(batch.response_ids.shape[0], epoch):
@@ -409,8 +368,8 @@ class Trainer:
         if "keep" in stats:
             keep = stats.pop("keep")
             stats["masked_mu_hist"] = _masked_mu_histogram(keep, rollout_logp, mask)
-            if "staleness" in batch.extras:  # async: masked tokens per staleness
-                masked, n = _per_staleness(~keep & mask, mask, batch.extras["staleness"][micro], self.cfg.rollout.max_staleness)
+            if "staleness" in batch.extras:  # masked tokens per staleness
+                masked, n = _per_staleness(~keep & mask, mask, batch.extras["staleness"][micro], self.source.max_staleness)
                 stats["masked_by_staleness"], stats["n_by_staleness"] = masked, n
         return loss, stats
 
@@ -433,8 +392,7 @@ class Trainer:
     def _skip_step(self, reason: str, t_start: float) -> dict[str, float]:
         """A step whose rewards were non-finite: no update, counted like a skipped optimiser step."""
         self._skip(True, culprit=f"reward ({reason})")
-        if self.rollouts is not None:  # the unchanged weights become the next version (versions count steps)
-            self._publish_weights()
+        self._publish_weights()  # the unchanged weights become the next version (versions count steps)
         self.step_idx += 1
         return {"reward/nonfinite_steps": 1.0, "optim/skipped_steps_total": float(self.skipped_steps),
                 "perf/step_s": time.perf_counter() - t_start}
@@ -483,14 +441,11 @@ class Trainer:
         return self.dist.reduce_metrics(out)  # the one sync of the step (over ranks: one all-gather)
 
     def _staleness_metrics(self, batch: RolloutBatch) -> dict[str, Any]:
-        """How many optimiser steps behind the trainer each trained response's weights were: with rollout.engine_lag
-        the lag (reached after that many steps); async the recorded versions (mean, max, and the share per value)."""
-        if "staleness" not in batch.extras:
-            lag = float(min(self.step_idx - 1, self.cfg.rollout.engine_lag))
-            return {"rollout/staleness_steps": lag, "rollout/staleness_mean": lag, "rollout/staleness_max": lag}
+        """How many optimiser steps behind the trainer each trained response's weights were, from the versions the
+        source recorded: mean, max, and the share per value 0..the source's bound."""
         st = batch.extras["staleness"].float()
         out = {"rollout/staleness_mean": st.mean(), "rollout/staleness_max": st.max()}
-        for j in range(self.cfg.rollout.max_staleness + 1):
+        for j in range(self.source.max_staleness + 1):
             out[f"rollout/staleness_frac_{j}"] = (st == j).float().mean()
         return out
 
@@ -506,9 +461,9 @@ class Trainer:
         examples = self.eval_examples if examples is None else examples
         temp = temperature or self.cfg.train.eval_temperature or self.cfg.rollout.temperature
         params = self._sampling_params(10_000_000 + self.step_idx, n=self.cfg.train.eval_samples_per_prompt,
-                                       temperature=temp, top_k=0)
+                                       temperature=temp, top_k_logprobs=0)
         return self.dist.evaluate(  # each rank evaluates its share of the examples
-            lambda share: evaluate(self.engine, self.tokenizer, self.reward_runner, share, params, pad_id=self.pad_id),
+            lambda share: evaluate(self.source, self.tokenizer, self.reward_runner, share, params, pad_id=self.pad_id),
             examples)
 
     def evaluate_and_log(self) -> dict[str, float]:
@@ -519,9 +474,8 @@ class Trainer:
         return result
 
     def save(self) -> Path:
-        # async: the position after the last trained batch, so a resume draws the in-flight batches again
-        position = self.rollouts.trained_position if self.rollouts is not None else self.sampler.position
-        state = {"sampler_position": position, "skipped_steps": self.skipped_steps}
+        # the position after the last trained batch, so a resume draws any batches in flight (async) again
+        state = {"sampler_position": self.source.trained_position, "skipped_steps": self.skipped_steps}
         return save_training_checkpoint(self.dist, self.run_dir, self.step_idx, model=self.model, optimizer=self.optimizer,
                                          scheduler=self.scheduler, trainer_state=state,
                                          keep=self.cfg.train.keep_checkpoints)  # under torchrun: rank 0 writes
@@ -554,9 +508,9 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        source = getattr(self, "source", None)  # (absent when __init__ failed before it)
+        if source is not None:
+            source.close()
         if isinstance(self.scorer, torch.nn.parallel.DistributedDataParallel):
             self.scorer = self.scorer.module
             gc.collect()
@@ -583,8 +537,8 @@ def make_optimizer(params: list[Tensor], **hyper) -> torch.optim.AdamW:
 class _Accumulator:
     """Sums per-micro-batch stats as tensors; `result` divides once (no host sync until the step ends)."""
 
-    def __init__(self, device: torch.device, max_staleness: int | None = None) -> None:
-        self.max_staleness = max_staleness  # async: also the mismatch and masked fraction per staleness 0..k
+    def __init__(self, device: torch.device, max_staleness: int = 0) -> None:
+        self.max_staleness = max_staleness  # the mismatch and masked fraction per staleness 0..k
         self.sums: dict[str, Tensor] = {}
         self.weights: dict[str, Tensor] = {}
         self.ratio_max = torch.zeros((), device=device)
@@ -631,7 +585,7 @@ class _Accumulator:
             self._add("mismatch/topk_kl_mean", sel(topk_kl(scores.topk_logp, batch.topk_logp[micro], valid)), n)
         if scores.entropy is not None:
             self._add("policy/entropy", sel(scores.entropy), n)
-        if self.max_staleness is not None:
+        if "staleness" in batch.extras:
             total, count = _per_staleness(tv, mask, batch.extras["staleness"][micro], self.max_staleness)
             for j in range(count.shape[0]):
                 self._add(f"mismatch/binary_tv_stale_{j}", total[j] / count[j].clamp(min=1), count[j])

@@ -30,8 +30,7 @@ import traceback
 import torch
 
 from dppo.rollout.remote.pool import _POLL_S, Pool
-from dppo.rollout.remote.worker import Request, Result, WorkerCore
-
+from dppo.rollout.remote.worker import Request, Result, WorkerCore, worker_spec
 
 
 def _die_with_parent() -> None:
@@ -64,15 +63,15 @@ def _load_latest(core: WorkerCore, shared, version, lock) -> float:
         return core.load(version.value, shared)
 
 
-def _worker_main(cfg, index, device, threads, seed_offset, shared, version, lock, requests, results, parent_pid) -> None:
+def _worker_main(spec, index, threads, in_flight, shared, version, lock, requests, results, parent_pid) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
-    from dppo.train.faults import fault_point
+    from dppo.runtime.faults import fault_point
 
     try:
-        core = WorkerCore(cfg, index, device, threads, seed_offset)
+        core = WorkerCore(spec, index, threads)
         _load_latest(core, shared, version, lock)
-        if cfg.rollout.in_flight_updates:
+        if in_flight:
             core.enable_in_flight(lambda: _load_latest(core, shared, version, lock) > 0)
     except BaseException:  # noqa: BLE001 - reported to the trainer
         results.put(pickle.dumps(Result(-1, index, error=traceback.format_exc())))
@@ -97,8 +96,8 @@ def _worker_main(cfg, index, device, threads, seed_offset, shared, version, lock
 class LocalPool(Pool):
     """Worker processes on this machine (see the module docstring)."""
 
-    def __init__(self, cfg, devices: list[str], *, threads: int, timeout_s: float, weights: dict, version: int,
-                 seed_offset: int = 0) -> None:
+    def __init__(self, spec, devices: list[str], *, threads: int, timeout_s: float, weights: dict, version: int,
+                 seed_offset: int = 0, in_flight: bool = False) -> None:
         super().__init__(devices, timeout_s)
         ctx = torch.multiprocessing.get_context("spawn")
         self._shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in weights.items()}
@@ -109,8 +108,8 @@ class LocalPool(Pool):
         self._procs = []
         for i, device in enumerate(devices):
             proc = ctx.Process(target=_worker_main, name=f"dppo-rollout-{i}", daemon=True,
-                               args=(cfg, i, device, threads, seed_offset + i, self._shared, self._version, self._lock,
-                                     self._requests[i], self._results, os.getpid()))
+                               args=(worker_spec(spec, i, device, seed_offset), i, threads, in_flight, self._shared,
+                                     self._version, self._lock, self._requests[i], self._results, os.getpid()))
             with _main_module_hidden():
                 proc.start()
             self._procs.append(proc)

@@ -25,14 +25,14 @@ import os
 import time
 
 from dppo.rollout.remote.pool import Pool, WorkerError
-from dppo.rollout.remote.worker import Request, Result, WorkerCore
+from dppo.rollout.remote.worker import Request, Result, WorkerCore, worker_spec
 
 
 class _Actor:
     """The Ray actor: a WorkerCore plus the version bookkeeping."""
 
-    def __init__(self, cfg, index: int, device: str, threads: int, seed_offset: int) -> None:
-        self.core = WorkerCore(cfg, index, "cuda" if device.startswith("cuda") else device, threads, seed_offset)
+    def __init__(self, spec, index: int, threads: int) -> None:
+        self.core = WorkerCore(spec, index, threads)
 
     def ready(self) -> dict:
         import ray
@@ -40,7 +40,7 @@ class _Actor:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()[:12]}
 
     def run(self, request: Request, version: int, weights) -> Result:
-        from dppo.train.faults import fault_point
+        from dppo.runtime.faults import fault_point
 
         fault_point("worker", request.step + 1)
         load_s = self.core.load(version, weights) if weights is not None and version > self.core.version else 0.0
@@ -53,8 +53,8 @@ class _Actor:
 class RayPool(Pool):
     """Ray actors (see the module docstring)."""
 
-    def __init__(self, cfg, devices: list[str], *, threads: int, timeout_s: float, weights: dict, version: int,
-                 seed_offset: int = 0, address: str = "") -> None:
+    def __init__(self, spec, devices: list[str], *, threads: int, timeout_s: float, weights: dict, version: int,
+                 seed_offset: int = 0, address: str = "", in_flight: bool = False) -> None:
         import ray
 
         super().__init__(devices, timeout_s)
@@ -72,7 +72,8 @@ class RayPool(Pool):
         for i, device in enumerate(devices):
             resources = {"num_gpus": 1, "num_cpus": 1} if device.startswith("cuda") else {"num_cpus": 1}
             self._actors.append(actor_cls.options(name=None, scheduling_strategy="SPREAD", max_restarts=0,
-                                                  **resources).remote(cfg, i, device, threads, seed_offset + i))
+                                                  **resources).remote(worker_spec(spec, i, "cuda" if device.startswith("cuda") else device,
+                                                                      seed_offset), i, threads))
         try:
             self._wait_ready_ray()
         except BaseException:

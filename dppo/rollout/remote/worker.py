@@ -7,14 +7,15 @@ requests the worker loads the newest published weights, so a request submitted w
 sampled with version >= v: that is what bounds the staleness (dppo.train.async_rollouts).
 
 `WorkerCore` holds the engine and does the work; the transports (`dppo.rollout.remote.local`,
-`dppo.rollout.remote.ray_actors`) only move requests, results and weights. The engine is built from the run's
-`Config` exactly as the synchronous trainer builds its own (`dppo.train.build.build_engine`), on the worker's
-device, so fp8, LoRA-merged weights and the engine choice behave the same in both modes; its weights are then
-replaced by the published ones before the first request.
+`dppo.rollout.remote.ray_actors`) only move requests, results and weights. The engine is built from the same
+`EngineSpec` as an in-process engine (`dppo.rollout.spec.build_engine`; the worker's own device and seed), so fp8,
+LoRA-merged weights and the engine choice behave the same in both modes; its weights are then replaced by the
+published ones before the first request. A worker never sees the run config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import traceback
@@ -24,6 +25,8 @@ from typing import Any, Sequence
 import torch
 
 from dppo.rollout.base import Prompt, Rollout, SamplingParams
+from dppo.rollout.source import stamp
+from dppo.rollout.spec import EngineSpec, build_engine
 
 
 @dataclass
@@ -62,21 +65,20 @@ def worker_threads(requested: int, cpu_workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // (cpu_workers + 1))
 
 
+def worker_spec(spec: EngineSpec, index: int, device: str, seed_offset: int = 0) -> EngineSpec:
+    """The spec of worker `index` on `device`: the run's engine spec with the worker's device and engine seed
+    spec.seed + seed_offset + index (workers, and torchrun ranks through seed_offset, sample differently)."""
+    return dataclasses.replace(spec, device=device, seed=spec.seed + seed_offset + index)
+
+
 class WorkerCore:
-    """The engine of worker `index` on `device`, built from the run's config (engine seed train.seed +
-    `seed_offset`), with versioned weight loading."""
+    """The engine of worker `index`, built from its `EngineSpec`, with versioned weight loading."""
 
-    def __init__(self, cfg, index: int, device: str, threads: int, seed_offset: int = 0) -> None:
-        from dppo.train.build import build_engine, build_model
-        from dppo.train.config import replace
-
-        if device == "cpu":
+    def __init__(self, spec: EngineSpec, index: int, threads: int) -> None:
+        if spec.device == "cpu":
             torch.set_num_threads(threads)
-        self.index, self.device = index, device
-        cfg = replace(cfg, model={"device": device, "gradient_checkpointing": False})
-        model, tokenizer, path = build_model(cfg, None)
-        self.engine = build_engine(cfg, model, tokenizer, path, seed_offset=seed_offset)
-        del model
+        self.index, self.device = index, spec.device
+        self.engine = build_engine(spec)
         self.version = -1
         self.generating, self.in_flight_load_s = False, 0.0
 
@@ -104,11 +106,8 @@ class WorkerCore:
             return Result(request.id, self.index, error=traceback.format_exc(), version=self.version)
         finally:
             self.generating = False
-        in_flight = getattr(self.engine, "between_chunks", None) is not None
-        for r in rollouts:  # the version that started each response (in-flight updates: token_versions say more)
-            r.weight_version = start_version
-            if r.token_versions is not None and not in_flight:  # (an engine's own count, e.g. under fp8's wrapper)
-                r.token_versions.fill_(start_version)
+        # the version that started each response (in-flight updates: the engine's token_versions say more)
+        stamp(rollouts, start_version, in_flight=getattr(self.engine, "between_chunks", None) is not None)
         load_s += self.in_flight_load_s
         return Result(request.id, self.index, rollouts, version=start_version,
                       busy_s=time.perf_counter() - t0 - self.in_flight_load_s, load_s=load_s)

@@ -85,16 +85,16 @@ def run_diagnose(
 ) -> dict:
     """Sample with the engine, recompute π in fp32 on the same tokens, report the mismatch by µ bucket.
 
-    model: a built-in name (`dppo.train.models.BUILTIN_MODELS`) or a local model folder. engine: "hf", "vllm" or
-    "auto" (`dppo.train.hardware.resolve_engine`: vLLM when installed, except hf on a CPU in float32). engine_dtype: the engine's dtype ("bfloat16", "float16", "float32"; the
+    model: a built-in name (`dppo.runtime.models.BUILTIN_MODELS`) or a local model folder. engine: "hf", "vllm" or
+    "auto" (`dppo.runtime.hardware.resolve_engine`: vLLM when installed, except hf on a CPU in float32). engine_dtype: the engine's dtype ("bfloat16", "float16", "float32"; the
     trainer is always float32). task / task_options: a `dppo.tasks.make_task` name and its options; the first
     `n_prompts` training questions are used, `n` responses each. top_k: µ's top-K recorded by the engine
     (0 = none: no Top-K metrics). Writes `out_dir/diagnose.json`, `ratio_vs_tv.png` and `histograms.png`;
     returns the report (`mismatch_report`'s dict plus "config", "timing_s" and "files").
     """
-    from dppo.train import models
+    from dppo.runtime import models
     from dppo.train.build import resolve_device
-    from dppo.train.hardware import resolve_engine
+    from dppo.runtime.hardware import resolve_engine
     from dppo.rollout import SamplingParams
     from dppo.train.batch import collate
     from dppo.train.scoring import score_responses

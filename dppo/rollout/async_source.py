@@ -1,5 +1,5 @@
-"""Bounded-staleness scheduling of asynchronous rollouts (rollout.mode async): what the trainer talks to instead
-of an in-process engine.
+"""`AsyncSource`: the `RolloutSource` of rollout.mode async — bounded-staleness scheduling of rollout workers in
+other processes (`dppo.rollout.remote`: local processes or Ray actors).
 
 Weight versions: version v = the weights after v optimiser steps of the run (published after every training
 step; a step skipped for non-finite rewards publishes the unchanged weights under the next version). The batch
@@ -17,8 +17,8 @@ after the first get their own sampling seed. Prompts are drawn when a batch is s
 is the prompt sampler's position after the last *trained* batch, which a checkpoint stores, so a resumed run
 draws the in-flight batches again (they are dropped, not trained twice or skipped).
 
-`generate(prompts, params)` is the Engine protocol's call (used by evaluation): it is split over the workers
-like a batch and waits for its own results, filing any training results that arrive meanwhile.
+`generate(prompts, params)` (evaluation) is split over the workers like a batch and waits for its own results,
+filing any training results that arrive meanwhile.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 from dppo.rollout.base import Rollout, SamplingParams
 from dppo.rollout.remote import Pool, Request
+from dppo.rollout.source import Draw, RolloutSource
 
 _SEED_STRIDE = 1 << 40  # added to the sampling seed per share after the first
 
@@ -54,16 +55,14 @@ class _Pending:
         return out
 
 
-class AsyncRollouts:
-    """Steps in flight against a worker `Pool` (see the module docstring).
+class AsyncSource(RolloutSource):
+    """Steps in flight against a worker `Pool` that holds version `start_step` (see the module docstring)."""
 
-    prepare(step) -> (examples, prompts, params, sampler position after the draw): the trainer's prompt draw."""
-
-    def __init__(self, pool: Pool, *, max_staleness: int, prepare: Callable, start_step: int,
+    def __init__(self, pool: Pool, draw: Callable[[int], Draw], *, max_staleness: int, start_step: int,
                  start_position: int) -> None:
-        self.pool, self.k, self.prepare = pool, max_staleness, prepare
+        super().__init__(draw, start_position=start_position)
+        self.pool, self.max_staleness = pool, max_staleness
         self.weight_version = start_step
-        self.trained_position = start_position
         self._next_step = start_step
         self._pending: dict[int, _Pending] = {}
         self._owner: dict[int, _Pending] = {}
@@ -74,37 +73,38 @@ class AsyncRollouts:
         self.last_wait_s = 0.0
 
     # ------------------------------------------------------------------ training batches
-    def take(self, step: int) -> tuple[list, list[Rollout]]:
-        """(examples, rollouts) of training step `step`, after submitting every batch the staleness bound allows."""
-        while self._next_step <= self.weight_version + self.k:
-            examples, prompts, params, position = self.prepare(self._next_step)
-            pending = _Pending(self._next_step, examples, position)
-            self._submit(pending, prompts, params)
+    def _take(self, step: int):
+        """(examples, rollouts, position) of training step `step`, after submitting every batch the staleness bound
+        allows."""
+        while self._next_step <= self.weight_version + self.max_staleness:
+            d = self.draw(self._next_step)
+            pending = _Pending(self._next_step, d.examples, d.position)
+            self._submit(pending, d.prompts, d.params)
             self._pending[self._next_step] = pending
             self._next_step += 1
         pending = self._pending.pop(step)
         t0 = time.perf_counter()
         self._wait(pending)
         self.last_wait_s = time.perf_counter() - t0
-        self.trained_position = pending.position_after
-        return pending.examples, pending.rollouts()
+        return pending.examples, pending.rollouts(), pending.position_after
 
-    def publish(self, version: int, weights: dict) -> float:
-        """Publish the weights after `version` optimiser steps; returns the trainer's seconds spent."""
-        seconds = self.pool.publish(version, weights)
+    def publish(self, version: int, weights: dict) -> None:
+        """Publish the weights after `version` optimiser steps to every worker."""
+        self.pool.publish(version, weights)
         self.weight_version = version
-        return seconds
 
-    def worker_stats(self) -> dict[str, float]:
-        """Per-worker idle fraction and weight-load seconds since the previous call (averaged over workers)."""
+    def metrics(self) -> dict[str, float]:
+        """The trainer's wait for this step's batch (its share of the time since the previous call), each worker's
+        idle share and weight-load seconds since the previous call (averaged over workers)."""
         elapsed = max(time.perf_counter() - self._since, 1e-9)
         n = len(self._busy)
-        out = {"async/worker_idle_frac": sum(max(0.0, 1 - (b + w) / elapsed) for b, w in zip(self._busy, self._load)) / n,
+        out = {"async/trainer_wait_s": self.last_wait_s, "async/trainer_idle_frac": self.last_wait_s / elapsed,
+               "async/worker_idle_frac": sum(max(0.0, 1 - (b + w) / elapsed) for b, w in zip(self._busy, self._load)) / n,
                "async/worker_load_s": sum(self._load) / n}
         self._busy, self._load, self._since = [0.0] * n, [0.0] * n, time.perf_counter()
         return out
 
-    # ------------------------------------------------------------------ the Engine protocol (evaluation)
+    # ------------------------------------------------------------------ evaluation
     def generate(self, prompts: Sequence, params: SamplingParams) -> list[Rollout]:
         pending = _Pending(-1, [], -1)
         self._submit(pending, prompts, params)

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,6 +44,42 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to load, picklable (an engine in another process loads the same architecture from it)."""
+
+    name: str
+    """A built-in name (smollm2-135m, tiny-random) or a local transformers model folder."""
+    tiny_hidden: int = 64
+    """tiny-random only: hidden size."""
+    tiny_layers: int = 2
+    """tiny-random only: decoder layers."""
+    seed: int = 0
+    """tiny-random only: the seed of its random initialisation."""
+
+
+def load(spec: ModelSpec, *, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object, Path | None]:
+    """(model in eval mode, tokenizer with a pad token, the model's folder or None for tiny-random).
+
+    ValueError naming `model.name` for a name that is neither built in nor an existing folder."""
+    if spec.name == "tiny-random":
+        tokenizer = char_tokenizer()
+        heads = max(1, spec.tiny_hidden // 32)  # head size 32: supported by every attention backend (vLLM CPU too)
+        model = tiny_random_model(tokenizer, hidden_size=spec.tiny_hidden, num_layers=spec.tiny_layers,
+                                  num_heads=heads, num_kv_heads=heads, seed=spec.seed, dtype=dtype)
+        path = None
+    else:
+        try:
+            path = resolve_model_path(spec.name)
+        except ValueError as exc:
+            raise ValueError(f"model.name: {exc}") from exc
+        tokenizer = load_tokenizer(path)
+        model = load_model(path, dtype=dtype)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, path
 
 
 def cache_dir() -> Path:

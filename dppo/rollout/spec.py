@@ -1,0 +1,78 @@
+"""Engines built from a spec: `EngineSpec` says everything an engine needs (model, kind, dtype, limits, seed,
+quantisation), frozen and picklable, and `build_engine(spec)` is the one factory.
+
+The trainer's process and a rollout worker in another process build their engines the same way, from the same
+spec (`dppo.train.build.engine_spec` turns the run config into it), so an engine never sees the run config. The
+engine is built with the architecture and initial weights of `spec.model`; its owner (a `RolloutSource`) then
+loads the trainer's weights into it before the first generation. K (`top_k_logprobs`) is checked against the
+engine's cap here, once, at build time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dppo.rollout import make_engine
+from dppo.runtime.models import ModelSpec, load
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One rollout engine, resolved (no `auto` left)."""
+
+    model: ModelSpec
+    """The model whose architecture (and initial weights) the engine loads."""
+    kind: str = "hf"
+    """An `dppo.rollout.ENGINES` name: hf or vllm."""
+    dtype: str = "float32"
+    """float32 or bfloat16: the dtype the engine samples in."""
+    device: str = "cpu"
+    """Where the engine runs (cpu, cuda, cuda:N)."""
+    seed: int = 0
+    """Seed of the engine's sampling generator."""
+    top_k_logprobs: int = 0
+    """K: µ's top-K the engine must be able to record (checked against its cap at build time)."""
+    quantization: str = "none"
+    """none or fp8 (`dppo.rollout.quantize.QuantizedEngine`)."""
+    fp8_activations: bool = False
+    """With fp8 and the hf engine: also quantise the decoder linear layers' inputs."""
+    hf_max_batch_rows: int = 0
+    """hf: most responses decoded together (0 = all)."""
+    vllm: dict = field(default_factory=dict)
+    """vLLM engine keywords (kv_cache_gb on CPU, gpu_memory_utilization on CUDA)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"rollout.dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.top_k_logprobs < 0:
+            raise ValueError(f"rollout.top_k_logprobs: expected >= 0, got {self.top_k_logprobs}")
+
+
+def build_engine(spec: EngineSpec):
+    """The engine of `spec`, with the initial weights of `spec.model` (ValueError naming the field for a K above
+    the engine's cap)."""
+    from dppo.trust_region import DEFAULT_TOP_K
+
+    dtype = DTYPES[spec.dtype]
+    if spec.kind == "hf":
+        model, tokenizer, _ = load(spec.model, dtype=dtype)
+        engine = make_engine("hf", model=model.to(spec.device), tokenizer=tokenizer, dtype=dtype, seed=spec.seed,
+                             copy=False, max_batch_rows=spec.hf_max_batch_rows or None)
+    else:  # vLLM loads a folder; the tiny model (no folder) is handed over as a module, which it saves itself
+        model, tokenizer, path = load(spec.model, dtype=torch.float32)
+        engine = make_engine(spec.kind, path if path is not None else model, tokenizer, dtype=spec.dtype,
+                             seed=spec.seed, max_logprobs=max(DEFAULT_TOP_K, spec.top_k_logprobs), **spec.vllm)
+        del model
+    if spec.top_k_logprobs > engine.max_logprobs:
+        engine.close()
+        raise ValueError(f"rollout.top_k_logprobs: {spec.top_k_logprobs} exceeds the {spec.kind} engine's "
+                         f"max_logprobs {engine.max_logprobs}")
+    if spec.quantization == "fp8":
+        from dppo.rollout.quantize import QuantizedEngine
+
+        engine = QuantizedEngine(engine, activations=spec.fp8_activations)
+    return engine
