@@ -9,9 +9,9 @@ import pytest
 
 from dppo.train.config import Config, LossConfig
 from dppo.train.presets import PRESETS
-from dppo.studies.sanity import (METHOD_GROUPS, SANITY_METHODS, LogitNoise, cmd_sanity, expand_methods, format_table,
-                         is_collapsed, method_loss, run_sanity, sanity_config, steps_to_accuracy, summarize_method,
-                         summarize_run)
+from dppo.studies.sanity import (METHOD_GROUPS, SANITY_METHODS, LogitNoise, SanityConfig, cmd_sanity, expand_methods,
+                                 format_table, is_collapsed, method_loss, run_sanity, sanity_config, steps_to_accuracy,
+                                 summarize_method, summarize_run)
 
 
 def rows_from(acc, zero=None, tv=None, masked=None):
@@ -77,22 +77,25 @@ def test_methods_follow_presets():
             assert getattr(preset, key) == value, (name, key)
     assert math.isinf(SANITY_METHODS["pg-is"]["is_cap"]) and SANITY_METHODS["cispo"]["is_cap"] == 3.0
     assert SANITY_METHODS["minirl"]["anchor"] == "recompute" and SANITY_METHODS["dppo-recompute"]["anchor"] == "recompute"
-    cfg = sanity_config("m", "r", "dppo-topk-kl", 1, steps=7, lr=1e-3, prompts_per_step=8, group_size=4)
+    cfg = sanity_config(SanityConfig(steps=7, lr=1e-3, prompts_per_step=8, group_size=4), "m", "r", "dppo-topk-kl", 1)
     assert isinstance(cfg, Config)
     assert cfg.top_k_logprobs == 20 and cfg.rollout.dtype == "bfloat16" and cfg.model.dtype == "float32"
     assert cfg.rollout.engine == "hf" and cfg.train.mini_batches == 4 and cfg.train.seed == 1 and cfg.train.steps == 7
     assert not cfg.log.tensorboard and not cfg.log.progress and not cfg.train.eval_before
-    assert sanity_config("m", "r", "pg-is", 0).top_k_logprobs == 0
+    assert sanity_config(SanityConfig(), "m", "r", "pg-is", 0).top_k_logprobs == 0
     with pytest.raises(ValueError, match="unknown"):
-        sanity_config("m", "r", "nope", 0)
+        sanity_config(SanityConfig(), "m", "r", "nope", 0)
 
 
 def test_short_study_writes_json_png_table(tmp_path, capsys):
-    report = run_sanity(["dppo-binary-tv", "pg-is"], [0], tmp_path, steps=3, prompts_per_step=8, group_size=4,
-                        mini_batches=4, hidden=64, sft_steps=20, eval_size=8)
+    report = run_sanity(SanityConfig(methods=("dppo-binary-tv", "pg-is"), seeds=(0,), out_dir=str(tmp_path), steps=3,
+                                     prompts_per_step=8, group_size=4, mini_batches=4, hidden=64, sft_steps=20,
+                                     eval_size=8))
     assert (tmp_path / "sanity.png").stat().st_size > 1000
     data = json.loads((tmp_path / "sanity.json").read_text())
     assert set(data["methods"]) == {"dppo-binary-tv", "pg-is"}
+    assert data["settings"]["methods"] == ["dppo-binary-tv", "pg-is"] and data["settings"]["seeds"] == [0]
+    assert data["settings"]["lr"] == 3e-4 and data["settings"]["task_options"] == {"digits": 1}  # resolved per task
     for name, m in data["methods"].items():
         s = m["summary"]
         for key in ("final_accuracy", "max_mismatch", "final_mismatch", "masked_frac"):
@@ -116,6 +119,40 @@ def test_cmd_quick_and_errors(tmp_path):
     assert cmd_sanity(["--seeds", "a,b", "--out-dir", str(tmp_path / "y")]) == 2
 
 
+def test_cli_reads_comma_lists_and_rejects_a_bad_value_in_one_line(capsys):
+    from dppo.studies.sanity import parse_args
+
+    assert parse_args([]) == SanityConfig()
+    cfg = parse_args(["--methods", "key,dppo-binary-tv:delta=0.1", "--seeds", "0,1,2", "--steps", "7", "--lr", "1e-3",
+                      "--task", "reverse", "--min-len", "16", "--max-len", "24", "--mini-batches", "2",
+                      "--sft-steps", "9", "--mismatch", "lag:2", "--out-dir", "x"])
+    assert cfg.methods == ("key", "dppo-binary-tv:delta=0.1") and cfg.seeds == (0, 1, 2)
+    assert (cfg.steps, cfg.lr, cfg.task, cfg.min_len, cfg.max_len, cfg.mini_batches, cfg.sft_steps, cfg.out_dir) == (
+        7, 1e-3, "reverse", 16, 24, 2, 9, "x")
+    resolved = cfg.resolve()
+    assert resolved.methods == (*METHOD_GROUPS["key"], "dppo-binary-tv:delta=0.1")
+    assert (resolved.engine_lag, resolved.engine_dtype, resolved.max_new_tokens) == (2, "float32", 26)
+    assert resolved.resolve() == resolved
+    noisy = parse_args(["--engine-dtype", "float32", "--logit-noise", "0.5"])
+    assert (noisy.engine_dtype, noisy.logit_noise) == ("float32", 0.5)
+    quick = parse_args(["--quick", "--steps", "50"]).resolve()
+    assert (quick.methods, quick.seeds, quick.steps, quick.sft_steps) == (("dppo-binary-tv", "pg-is"), (0,), 5, 30)
+    # a value the config rejects: exit 2, one line naming the field
+    for argv, line in [(["--steps", "0"], "steps: expected >= 1, got 0"),
+                       (["--methods", "pg-is,bogus"], "methods: unknown 'bogus'; valid: pg-is, cispo"),
+                       (["--methods", "dppo-binary-tv:delta=-1"], "methods: method 'dppo-binary-tv:delta=-1': loss.delta_low"),
+                       (["--seeds", "1,1"], "seeds: expected one or more distinct seeds, got (1, 1)"),
+                       (["--logit-noise", "-1"], "logit_noise: expected a finite value >= 0, got -1.0"),
+                       (["--lr", "0"], "lr: expected a finite value > 0, got 0.0"),
+                       (["--mismatch", "lag:0"], "--mismatch: expected one of none, bf16")]:
+        assert cmd_sanity(argv) == 2, argv
+        out = capsys.readouterr()
+        assert out.out.startswith(f"dppo sanity: error: {line}") and out.out.count("\n") == 1 and not out.err, out
+    # a value tyro cannot read: exit 2, tyro's message naming the flag
+    assert cmd_sanity(["--seeds", "0,x"]) == 2
+    assert "--seeds" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------- ablations
 def test_relax_presets_are_sanity_methods_on_request():
     assert METHOD_GROUPS["all"] == ("pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl",
@@ -128,7 +165,7 @@ def test_relax_presets_are_sanity_methods_on_request():
             "relax_alpha": 0.1}
         assert LossConfig(**loss).relax_side == side
         assert PRESETS[f"grpo-relax-{side}"][0]().loss.relax_side == side
-        cfg = sanity_config("m", "r", f"grpo-relax-{side}", 0)
+        cfg = sanity_config(SanityConfig(), "m", "r", f"grpo-relax-{side}", 0)
         assert cfg.loss.trust_region == "ppo_clip_relax" and cfg.loss.relax_side == side and cfg.loss.relax_alpha == 0.1
 
 
@@ -137,7 +174,7 @@ def test_method_specs_override_loss_fields():
                                                        "delta_high": 0.1}
     loss = method_loss("grpo-clip-higher:eps=0.3:is_cap=inf")
     assert loss["eps_low"] == loss["eps_high"] == 0.3 and math.isinf(loss["is_cap"])
-    assert sanity_config("m", "r", "dppo-binary-kl:delta=0.15", 0).loss.delta_high == 0.15
+    assert sanity_config(SanityConfig(), "m", "r", "dppo-binary-kl:delta=0.15", 0).loss.delta_high == 0.15
     deltas = [(method_loss(m)["trust_region"], method_loss(m).get("delta_high")) for m in expand_methods(["delta"])]
     assert deltas == [("dppo_binary_tv", 0.1), ("dppo_binary_tv", None), ("dppo_binary_tv", 0.2),
                       ("dppo_binary_kl", None), ("dppo_binary_kl", 0.1), ("dppo_binary_kl", 0.15)]
@@ -225,21 +262,23 @@ def test_logit_noise_off_is_exact_and_noise_is_seeded(warm_model):
 
 
 def test_noisy_study_logs_the_injected_mismatch_against_a_clean_control(tmp_path):
-    kw = dict(steps=2, prompts_per_step=8, group_size=4, mini_batches=2, hidden=64, sft_steps=20, eval_size=8,
-              verbose=False)
-    control = run_sanity(["grpo-clip-higher"], [0], tmp_path / "c", engine_dtype="float32", logit_noise=0.0, **kw)
-    noisy = run_sanity(["grpo-clip-higher"], [0], tmp_path / "n", engine_dtype="float32", logit_noise=1.0, **kw)
+    kw = dict(methods=("grpo-clip-higher",), seeds=(0,), steps=2, prompts_per_step=8, group_size=4, mini_batches=2,
+              hidden=64, sft_steps=20, eval_size=8)
+    control = run_sanity(SanityConfig(out_dir=str(tmp_path / "c"), engine_dtype="float32", logit_noise=0.0, **kw),
+                         verbose=False)
+    noisy = run_sanity(SanityConfig(out_dir=str(tmp_path / "n"), engine_dtype="float32", logit_noise=1.0, **kw),
+                       verbose=False)
     c = control["methods"]["grpo-clip-higher"]["summary"]
     n = noisy["methods"]["grpo-clip-higher"]["summary"]
     assert c["max_mismatch"] < 1e-5  # fp32 engine, no noise: the logged |π−µ| is numerical only
     assert 0.03 < n["max_mismatch"] < 0.2  # σ = 1: the trainer logs the injected mismatch
     assert noisy["settings"]["logit_noise"] == 1.0 and control["settings"]["engine_dtype"] == "float32"
     # evaluation samples without the noise, training rollouts with it
-    from dppo.studies.sanity import _NoisyRolloutTrainer
+    from dppo.studies.sanity import NoisyRolloutTrainer
 
-    cfg = sanity_config(noisy["settings"]["warm_start"], tmp_path / "t", "pg-is", 0, steps=1, prompts_per_step=4,
-                        group_size=2, mini_batches=1, eval_size=8)
-    trainer = _NoisyRolloutTrainer(cfg, tmp_path / "t", logit_noise=1.0, noise_seed=0)
+    cfg = sanity_config(SanityConfig(steps=1, prompts_per_step=4, group_size=2, mini_batches=1, eval_size=8),
+                        noisy["settings"]["warm_start"], tmp_path / "t", "pg-is", 0)
+    trainer = NoisyRolloutTrainer(cfg, tmp_path / "t", logit_noise=1.0, noise_seed=0)
     try:
         trainer.noise.record = True
         assert trainer.evaluate()["pass@1"] >= 0 and trainer.noise.expected_tv == [] and trainer.noise.enabled
@@ -248,7 +287,7 @@ def test_noisy_study_logs_the_injected_mismatch_against_a_clean_control(tmp_path
     finally:
         trainer.close()
     with pytest.raises(ValueError, match="logit_noise"):
-        run_sanity(["pg-is"], [0], tmp_path / "x", logit_noise=-1.0, **kw)
+        run_sanity(SanityConfig(out_dir=str(tmp_path / "x"), logit_noise=-1.0, **kw))
 
 
 def test_mismatch_sources_and_the_fig5_group():
@@ -265,7 +304,7 @@ def test_mismatch_sources_and_the_fig5_group():
     assert fig5[0] == "pg-is" and len(fig5) == 5
     assert method_loss("pg-is-neg-mask:neg_delta=0.8:anchor=recompute") == {
         **SANITY_METHODS["pg-is-neg-mask"], "neg_delta": 0.8, "anchor": "recompute"}
-    cfg = sanity_config("m", "r", "pg-is-neg-mask", 0, **{k: v for k, v in parse_mismatch("lag:2").items() if k != "logit_noise"})
+    cfg = sanity_config(SanityConfig(**parse_mismatch("lag:2")), "m", "r", "pg-is-neg-mask", 0)
     assert cfg.rollout.engine_lag == 2 and cfg.rollout.dtype == "float32" and cfg.loss.trust_region == "pg_is_neg_mask"
 
 
@@ -273,18 +312,18 @@ def test_mismatch_sources_and_the_fig5_group():
 def test_reverse_task_config_and_warm_start_cache_key(tmp_path):
     from dppo.studies.sanity import default_max_new_tokens, task_options, warm_start
 
-    cfg = sanity_config("m", "r", "pg-is", 0)
+    cfg = sanity_config(SanityConfig(), "m", "r", "pg-is", 0)
     assert cfg.task.name == "addition" and json.loads(cfg.task.options) == {"digits": 1}
     assert cfg.rollout.max_new_tokens == 4  # the addition study as before
-    cfg = sanity_config("m", "r", "pg-is", 0, task="reverse")
+    cfg = sanity_config(SanityConfig(task="reverse"), "m", "r", "pg-is", 0)
     assert cfg.task.name == "reverse" and json.loads(cfg.task.options) == {"min_len": 16, "max_len": 20}
     assert cfg.rollout.max_new_tokens == 22  # the longest answer, EOS and one token of slack
-    assert cfg.optim.lr == 1e-4 and sanity_config("m", "r", "pg-is", 0).optim.lr == 3e-4  # per-task default lr
-    longer = sanity_config("m", "r", "pg-is", 0, task="reverse", options={"min_len": 16, "max_len": 30})
+    assert cfg.optim.lr == 1e-4 and sanity_config(SanityConfig(), "m", "r", "pg-is", 0).optim.lr == 3e-4  # per task
+    longer = sanity_config(SanityConfig(task="reverse", min_len=16, max_len=30), "m", "r", "pg-is", 0)
     assert longer.rollout.max_new_tokens == 32
     assert default_max_new_tokens("reverse", task_options("reverse", max_len=24)) == 26
     with pytest.raises(ValueError, match=r"task: expected one of addition, reverse, got 'nope'"):
-        sanity_config("m", "r", "pg-is", 0, task="nope")
+        sanity_config(SanityConfig(task="nope"), "m", "r", "pg-is", 0)
     # the warm-start cache key includes the task and its options
     kw = dict(hidden=32, sft_steps=1, size=8, eval_size=2)
     folders = [warm_start(tmp_path, **kw), warm_start(tmp_path, task="reverse", **kw),
@@ -299,8 +338,9 @@ def test_reverse_study_trains_on_responses_of_at_least_16_tokens(tmp_path):
     from dppo.train.plot import read_metrics
 
     # a small warm start (hidden 64, 100 SFT steps) already answers with the answer's length (16-20 digits + EOS)
-    report = run_sanity(["pg-is"], [0], tmp_path, task="reverse", steps=2, prompts_per_step=8, group_size=4,
-                        mini_batches=2, hidden=64, sft_steps=100, eval_size=8, verbose=False)
+    report = run_sanity(SanityConfig(methods=("pg-is",), seeds=(0,), out_dir=str(tmp_path), task="reverse", steps=2,
+                                     prompts_per_step=8, group_size=4, mini_batches=2, hidden=64, sft_steps=100,
+                                     eval_size=8), verbose=False)
     settings = report["settings"]
     assert settings["task"] == "reverse" and settings["task_options"] == {"min_len": 16, "max_len": 20}
     assert settings["max_new_tokens"] == 22

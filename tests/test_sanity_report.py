@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from dppo.studies.sanity import cmd_sanity, run_sanity, summarize_method, summarize_run
-from dppo.studies.sanity_report import (TARGET_FINAL, check_control, load_study, method_row, mismatch_by_part,
+from dppo.studies.sanity import SanityConfig, cmd_sanity, run_sanity, study_settings, summarize_method, summarize_run
+from dppo.studies.sanity.report import (TARGET_FINAL, check_control, load_study, method_row, mismatch_by_part,
                                         report_table)
 
 
@@ -90,11 +90,49 @@ def test_merge_and_control_refusals(tmp_path):
         check_control(load_study([a]), load_study([_write(tmp_path / "e", m, steps=9, engine_lag=0)]))
 
 
+OLD_SETTINGS = {  # what `dppo sanity` recorded before its settings became SanityConfig (defaults, 8 steps, lag 4)
+    "task": "addition", "task_options": {"digits": 1}, "steps": 8, "lr": 3e-4, "prompts_per_step": 32, "group_size": 8,
+    "mini_batches": 4, "max_new_tokens": 4, "digits": 1, "size": 80, "eval_size": 20, "hidden": 128, "layers": 2,
+    "sft_steps": 60, "warm_seed": 0, "seeds": [0, 1], "engine": "hf", "engine_dtype": "float32", "logit_noise": 0.0,
+    "quantization": "none", "engine_lag": 4, "trainer_dtype": "float32", "warm_start": "old/warm-0"}
+
+
+def test_settings_of_old_and_new_files_are_compared_alike(tmp_path):
+    def write(folder, settings, first_seed):
+        folder.mkdir(parents=True)
+        methods = {"pg-is": _method([0.5], [0.1] * 8, first_seed=first_seed)}
+        (folder / "sanity.json").write_text(json.dumps({"settings": settings, "methods": methods, "wall_s": 1.0}))
+        return folder
+
+    def new(**fields):
+        study = SanityConfig(**{"methods": ("pg-is",), "seeds": (2,), "steps": 8, "engine_dtype": "float32",
+                                "engine_lag": 4, "out_dir": str(tmp_path / "new"), **fields})
+        return study_settings(study, tmp_path / "new" / "warm-1")
+
+    settings = new()
+    assert set(OLD_SETTINGS) < set(settings) and settings["seeds"] == (2,) and settings["lr"] == 3e-4
+    old, later = write(tmp_path / "a", OLD_SETTINGS, 0), write(tmp_path / "b", settings, 2)
+    study = load_study([old, later])
+    assert [p["seed"] for p in study["methods"]["pg-is"]["per_seed"]] == [0, 2]
+    check_control(study, load_study([write(tmp_path / "c", new(engine_lag=0), 0)]))  # only the mismatch differs
+    with pytest.raises(ValueError, match=r"setting 'lr' is 0.001"):
+        load_study([old, write(tmp_path / "d", new(lr=1e-3), 2)])
+    with pytest.raises(ValueError, match=r"setting 'task_options' is \{'digits': 2\}"):
+        load_study([old, write(tmp_path / "e", new(digits=2), 2)])
+    assert load_study([old, write(tmp_path / "f", new(threads=2, mismatch="lag:4"), 2)])["settings"]["steps"] == 8
+
+
 def test_report_command_on_real_short_studies(tmp_path, capsys):
-    kw = dict(steps=4, prompts_per_step=8, group_size=4, hidden=64, sft_steps=20, eval_size=8, verbose=False)
-    a = run_sanity(["pg-is"], [0, 1], tmp_path / "a", engine_dtype="float32", engine_lag=2, **kw)
-    b = run_sanity(["dppo-binary-tv"], [0, 1], tmp_path / "b", engine_dtype="float32", engine_lag=2, **kw)
-    run_sanity(["pg-is", "dppo-binary-tv"], [0, 1], tmp_path / "c", engine_dtype="float32", **kw)
+    kw = dict(seeds=(0, 1), steps=4, prompts_per_step=8, group_size=4, hidden=64, sft_steps=20, eval_size=8,
+              engine_dtype="float32")
+
+    def study(methods, folder, **fields):
+        return run_sanity(SanityConfig(methods=methods, out_dir=str(tmp_path / folder), **{**kw, **fields}),
+                          verbose=False)
+
+    a = study(("pg-is",), "a", engine_lag=2)
+    b = study(("dppo-binary-tv",), "b", engine_lag=2)
+    study(("pg-is", "dppo-binary-tv"), "c")
     out_json, out_png = tmp_path / "rows.json", tmp_path / "merged.png"
     argv = ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--control", str(tmp_path / "c"), "--parts", "2",
             "--plot", str(out_png), "--json", str(out_json)]
@@ -112,6 +150,6 @@ def test_report_command_on_real_short_studies(tmp_path, capsys):
     # a study folder that is not one, and a control with other settings: exit 2 naming the problem
     assert cmd_sanity(["report", str(tmp_path / "nothing")]) == 2
     assert "no such file" in capsys.readouterr().out
-    run_sanity(["pg-is"], [0], tmp_path / "d", engine_dtype="float32", **{**kw, "steps": 3})
+    study(("pg-is",), "d", seeds=(0,), steps=3)
     assert cmd_sanity(["report", str(tmp_path / "a"), "--control", str(tmp_path / "d")]) == 2
     assert "setting 'steps'" in capsys.readouterr().out

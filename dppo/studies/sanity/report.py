@@ -18,9 +18,11 @@ study (and those of the `--control` DIRs into another), and prints one markdown 
 
 A method found in several DIRs with disjoint seeds (more seeds run later, or in parallel) is merged: its per-seed
 summaries are pooled and its curves combined. Merging refuses studies whose settings differ in anything but the
-seeds and the warm-start folder (a study's methods must share the model, lr, batch, steps and mismatch; only the
-loss differs), and a (method, seed) that appears twice. The control must match the study's settings except the mismatch source. Everything here reads the
-summaries and curves `dppo sanity` wrote; nothing is trained.
+methods, seeds, out-dir and warm-start folder (`IGNORED_KEYS`: a study's methods must share the model, lr, batch,
+steps and mismatch; only the loss differs), and a (method, seed) that appears twice. The control must match the
+study's settings except the mismatch source. It reads `sanity.json` files written before and after the study's
+settings became `SanityConfig`. Everything here reads the summaries and curves `dppo sanity` wrote; nothing is
+trained.
 """
 
 from __future__ import annotations
@@ -30,12 +32,16 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from dppo.studies.sanity import _fmt as _f, plot_sanity, summarize_method
+from dppo.studies.sanity.summary import fmt as _f, plot_sanity, summarize_method
 
 MISMATCH_KEYS = ("engine_dtype", "logit_noise", "quantization", "engine_lag")
 """Settings that name the mismatch source: the only ones a control may differ in."""
-IGNORED_KEYS = ("seeds", "warm_start")
-"""Settings merged studies may differ in (each DIR runs its own seeds; the warm start is cached per out-dir)."""
+IGNORED_KEYS = ("seeds", "warm_start", "methods", "out_dir", "threads", "quick", "mismatch", "digits", "min_len",
+                "max_len")
+"""Settings merged studies may differ in, or that other settings stand for: each DIR runs its own methods and seeds
+in its own out-dir (the warm start is cached there), `threads` sets only the speed, `quick` and `mismatch` are
+recorded resolved into the fields they set, and the task's options are compared as `task_options` (files written
+before `SanityConfig` record `digits` only, and neither `methods`, `out_dir`, `threads`, `quick` nor `mismatch`)."""
 TARGET_FINAL = 0.95
 """The issue's accuracy bar for a stable method (training accuracy, last 5 steps)."""
 
