@@ -1,8 +1,9 @@
-"""The `dppo` command: train, eval, plot, presets.
+"""The `dppo` command: train, eval, export, plot, presets.
 
-    dppo train [--preset NAME] [--config FILE] [--run-dir DIR] [--resume DIR] [--section.field VALUE ...]
+    dppo train [--preset NAME] [--config FILE] [--run-dir DIR] [--resume DIR] [--no-hf] [--section.field VALUE ...]
     torchrun --nproc_per_node N -m dppo.cli train --run-dir DIR ...   (multi-process: see dppo/train/distributed.py)
     dppo eval  [--run-dir DIR | --preset NAME | --config FILE] [--section.field VALUE ...]
+    dppo export RUN_DIR [--step N] OUT [--merged]
     dppo plot  RUN_DIR [RUN_DIR ...] [--out FILE]
     dppo presets
     dppo sanity [--methods all|key|relax|delta|NAME[:field=value],...] [--seeds ...] [--steps N] [--lr LR]
@@ -12,25 +13,55 @@
 Config fields are tyro flags over the dataclass tree of `dppo.train.config` (`dppo train --help` lists them all with
 their docstrings). Precedence: defaults < preset < --config file < flags. Every value is validated before any
 model is loaded.
+
+Errors (docs/cli.md): a config, data or input error (the field, file and line it names), a run directory that cannot
+be written (`RunDirError`: disk full, quota, I/O, read-only) and a checkpoint that cannot be used are one line on
+stderr with no traceback (exit 2 for inputs, 1 for the run directory). For `dppo train` a ValueError counts as an
+input error only while the run is being set up (config, data, model, checkpoint); once training runs, it and any
+other exception keep their traceback. `--debug` (anywhere on the line) or DPPO_DEBUG=1 prints the traceback of
+every error.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
+from dppo.train.checkpoint import CheckpointError
 from dppo.train.config import Config, ConfigError, replace
 from dppo.train.distributed import DistributedError
+from dppo.train.run_dir import RunDirError, guard, write_atomic
 from dppo.train.presets import PRESETS, get_preset
 
 _TOP = """Top-level options (before or among the field flags):
   --preset NAME     start from a preset (`dppo presets` lists them; default: demo)
   --config FILE     start from a saved YAML/JSON config (e.g. a run's config.yaml)
   --run-dir DIR     where the run writes (default: runs/<timestamp>-<preset>)
-  --resume DIR      continue the run in DIR from its newest complete checkpoint"""
+  --resume DIR      continue the run in DIR from its newest complete checkpoint
+  --no-hf           do not write the final checkpoint's hf/ folder (a Hugging Face model; see `dppo export`)
+  --debug           print the traceback of any error (also DPPO_DEBUG=1)"""
+
+
+class InputError(ValueError):
+    """A ValueError raised while a command reads its inputs (config, data, model, checkpoint): its message names
+    the culprit, so it is printed as one line."""
+
+
+@contextlib.contextmanager
+def _inputs():
+    """ValueErrors raised inside are input errors (InputError), printed as one line by `main`."""
+    try:
+        yield
+    except ValueError as exc:
+        if isinstance(exc, (ConfigError, InputError)):
+            raise
+        raise InputError(str(exc)) from exc
 
 
 def _split_args(argv: list[str], *, resume: bool) -> tuple[argparse.Namespace, list[str]]:
@@ -40,6 +71,7 @@ def _split_args(argv: list[str], *, resume: bool) -> tuple[argparse.Namespace, l
     p.add_argument("--run-dir", "--log.run-dir", dest="run_dir", default=None)
     if resume:
         p.add_argument("--resume", default=None)
+        p.add_argument("--no-hf", dest="no_hf", action="store_true")
     return p.parse_known_args(argv)
 
 
@@ -79,7 +111,8 @@ def parse_config(argv: list[str], *, prog: str, resume: bool = True) -> tuple[Co
 
 
 def cmd_train(argv: list[str]) -> int:
-    cfg, ns, label = parse_config(argv, prog="dppo train")
+    with _inputs():
+        cfg, ns, label = parse_config(argv, prog="dppo train")
     resume = bool(getattr(ns, "resume", None))
     from dppo.train.distributed import world_from_env
 
@@ -93,19 +126,26 @@ def cmd_train(argv: list[str]) -> int:
     from dppo.train.trainer import Trainer
     from dppo.train.plot import plot_runs
 
-    trainer = Trainer(cfg, run_dir, resume=resume)
+    with _inputs():
+        trainer = Trainer(cfg, run_dir, resume=resume)
     main_rank = trainer.dist.is_main  # under torchrun only rank 0 writes the run directory and prints
-    if main_rank:
-        cfg.save(run_dir / "config.yaml")
     try:
+        if main_rank:
+            write_atomic(run_dir, run_dir / "config.yaml", trainer.cfg.save)  # resolved: δ, K, engine, dtype
         results = trainer.train()
+    except BaseException:
+        logger = getattr(trainer, "logger", None)
+        if logger is not None:
+            logger.close(quiet=True)  # trackers finished, files closed; the error that stopped the run is raised
+        raise
     finally:
-        trainer.close()
+        trainer.close()  # the engine or the rollout workers, the process group
     if not main_rank:
         return 0
-    plot = plot_runs([run_dir], run_dir / "curves.png")
+    with guard(run_dir, run_dir / "curves.png"):
+        plot = plot_runs([run_dir], run_dir / "curves.png")
     summary = {"run_dir": str(run_dir), "plot": str(plot), **results}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(run_dir, run_dir / "summary.json", json.dumps(summary, indent=2))
     print(f"[dppo] run directory: {run_dir}")
     print(f"[dppo] plot:          {plot}")
     for key in ("eval_before", "eval_after"):
@@ -115,7 +155,20 @@ def cmd_train(argv: list[str]) -> int:
     print(f"[dppo] checkpoint:    {results['checkpoint']}")
     if results.get("stopped_early"):
         print(f"[dppo] stopped by signal at step {results['step']}; resume with: dppo train --resume {run_dir}")
+    elif not ns.no_hf:
+        print(f"[dppo] model:         {_export_final(run_dir, Path(results['checkpoint']), results['step'])}")
     return 0
+
+
+def _export_final(run_dir: Path, checkpoint: Path, step: int) -> Path:
+    """The final checkpoint's hf/ folder (a Hugging Face model folder, `dppo.train.export`)."""
+    from dppo.train.export import export_checkpoint
+
+    try:
+        return export_checkpoint(run_dir, checkpoint / "hf", step=step)
+    except RunDirError as exc:
+        raise RunDirError(f"{exc} (the run itself finished: to write its model instead, run "
+                          f"`dppo export {run_dir} --step {step} {checkpoint / 'hf'}`)") from exc
 
 
 def cmd_eval(argv: list[str]) -> int:
@@ -146,6 +199,22 @@ def _drop_run_dir(argv: list[str]) -> list[str]:
             continue
         out.append(a)
     return out
+
+
+def cmd_export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dppo export", description="Write a run's checkpoint as a Hugging Face model "
+                                "folder (config, generation config, tokenizer with chat template, safetensors) that "
+                                "from_pretrained, vllm serve and push_to_hub take as it is.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (with config.yaml and checkpoints/)")
+    p.add_argument("out", metavar="OUT", help="the folder to write (must not exist)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest that loads)")
+    p.add_argument("--merged", action="store_true", help="LoRA: the base model with the adapter merged in "
+                   "(default: the PEFT adapter folder)")
+    args = p.parse_args(argv)
+    from dppo.train.export import export_checkpoint
+
+    print(export_checkpoint(args.run_dir, args.out, step=args.step, merged=args.merged))
+    return 0
 
 
 def cmd_plot(argv: list[str]) -> int:
@@ -179,12 +248,16 @@ def cmd_sanity(argv: list[str]) -> int:
     return run(argv)
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot, "presets": cmd_presets, "diagnose": cmd_diagnose,
-            "sanity": cmd_sanity}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot, "presets": cmd_presets,
+            "diagnose": cmd_diagnose, "sanity": cmd_sanity}
+ONE_LINE = {ConfigError: 2, InputError: 2, DistributedError: 2, RunDirError: 1, CheckpointError: 1}
+"""The errors `main` prints as one line (the message names the culprit), with their exit status."""
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("DPPO_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
@@ -193,10 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dppo: unknown command {cmd!r}; valid: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     try:
-        return COMMANDS[cmd](rest)
-    except (ConfigError, ValueError, DistributedError) as exc:
+        if cmd == "train":  # its own split: a ValueError is an input error only while the run is set up
+            return COMMANDS[cmd](rest)
+        with _inputs():  # eval, export, plot, sanity, diagnose: a ValueError names the input at fault
+            return COMMANDS[cmd](rest)
+    except tuple(ONE_LINE) as exc:
+        if debug:
+            traceback.print_exc()
         print(f"dppo {cmd}: error: {exc}", file=sys.stderr)
-        return 2
+        return next(code for cls, code in ONE_LINE.items() if isinstance(exc, cls))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,11 @@
 
 A checkpoint is written to a temporary sibling folder, every file fsynced, a `COMPLETE` marker written
 last, then the folder is renamed into place (atomic on POSIX) and the parent directory fsynced. A folder
-without the marker (a write killed midway) is never loaded. Contents:
+without the marker (a write killed midway) is never loaded. Every file goes through `dppo.train.run_dir`: before
+writing, the free space is checked against the expected size (the previous checkpoint's, or the state's tensor
+bytes); a disk error on the way (full, quota, I/O, read-only) removes the temporary folder and raises one
+`RunDirError` naming the file and the intact previous checkpoint. The run's JSONL logs are fsynced first, so a
+checkpoint never outlives the log lines of its steps. Contents:
 
 - `model.safetensors`: the trainable weights (the full model, or only the LoRA adapter's tensors),
 - `optimizer.pt`, `scheduler.pt`: state dicts, loaded with `torch.load(weights_only=True)`,
@@ -26,14 +30,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dppo.runtime.faults import fault_point
+from dppo.train.run_dir import check_space, guard, save_safetensors, save_torch
 
 if TYPE_CHECKING:
     from dppo.train.distributed import Dist
 
 MARKER = "COMPLETE"
+LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
+"""The run's JSONL logs (`dppo.train.logger`), fsynced before each checkpoint."""
+SPACE_MARGIN = 256 << 10
+"""Bytes beyond the expected checkpoint size that must be free (trainer_state.json, headers, the marker)."""
 
 
 class CheckpointError(RuntimeError):
@@ -84,32 +93,73 @@ def save_checkpoint(
     keep: int = 2,
 ) -> Path:
     """Write checkpoint `step` atomically and delete all but the newest `keep` complete ones. `optimizer`: the
-    optimizer or its state dict (the full one gathered from FSDP2 shards)."""
+    optimizer or its state dict (the full one gathered from FSDP2 shards). RunDirError (nothing half-written
+    left) when the disk cannot take it."""
     final = checkpoint_path(run_dir, step)
     root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
+    with guard(run_dir, root):
+        root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp_step_{step:06d}_{os.getpid()}"
     for stale in root.glob(".tmp_step_*"):  # left by a write that was killed; never loadable
         shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / "model.safetensors"))
-    torch.save(optimizer if isinstance(optimizer, dict) else optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    state = {**trainer_state, "step": step, "rng": rng_state()}
-    (tmp / "trainer_state.json").write_text(json.dumps(state))
-    for f in tmp.iterdir():
-        _fsync_file(f)
-    fault_point("checkpoint", step)
-    (tmp / MARKER).write_text("ok\n")
-    _fsync_file(tmp / MARKER)
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    optim_state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+    weights = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
+    _sync_logs(run_dir)
+    check_space(run_dir, root, expected_size(run_dir, weights, optim_state) + SPACE_MARGIN, f"checkpoint {final.name}")
+    try:
+        with guard(run_dir, tmp):
+            tmp.mkdir()
+        save_safetensors(run_dir, weights, tmp / "model.safetensors")
+        save_torch(run_dir, optim_state, tmp / "optimizer.pt")
+        save_torch(run_dir, scheduler.state_dict(), tmp / "scheduler.pt")
+        state = {**trainer_state, "step": step, "rng": rng_state()}
+        with guard(run_dir, tmp / "trainer_state.json"):
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
+        with guard(run_dir, tmp):
+            for f in tmp.iterdir():
+                _fsync_file(f)
+        fault_point("checkpoint", step)
+        with guard(run_dir, tmp / MARKER):
+            (tmp / MARKER).write_text("ok\n")
+            _fsync_file(tmp / MARKER)
+            _fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoints are untouched
+        raise
+    with guard(run_dir, final):
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
     for old in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def expected_size(run_dir: str | Path, weights: dict[str, Tensor], optim_state: dict[str, Any]) -> int:
+    """Bytes the next checkpoint will take: the newest complete one's size, or the tensor bytes of its state."""
+    previous = complete_checkpoints(run_dir)
+    if previous:
+        return sum(f.stat().st_size for f in previous[-1].iterdir() if f.is_file())
+    return _tensor_bytes(weights) + _tensor_bytes(optim_state)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _sync_logs(run_dir: str | Path) -> None:
+    for name in LOGS:
+        path = Path(run_dir) / name
+        if path.is_file():
+            with guard(run_dir, path), open(path, "rb") as f:
+                os.fsync(f.fileno())
 
 
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:

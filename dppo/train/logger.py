@@ -10,6 +10,12 @@ the finite numbers of a step (NaN/inf stay in metrics.jsonl only). With `tracker
 leaves the machine: wandb runs with mode="offline" (and WANDB_ERROR_REPORTING=false, read when its service
 starts), trackio is opened with TRACKIO_SPACE_ID / TRACKIO_SERVER_URL removed from the environment for the call,
 so it writes only its local SQLite database. A resumed run opens a new tracker run under the same name.
+
+Files are written through `dppo.train.run_dir`: each JSONL line whole, in one write call, unbuffered (a reader of a
+live run never sees half a line from a failed write); on resume each JSONL file first loses a torn last line (a
+kill mid-write; a warning names the file and the bytes dropped), then the records after the checkpoint's step.
+A disk error (full, quota, I/O, read-only) in a log or a tracker is a `RunDirError`; any other error of a tracker
+drops that tracker with a warning and the run goes on (metrics.jsonl is the record; trackers never touch it).
 """
 
 from __future__ import annotations
@@ -19,10 +25,15 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from dppo.train.run_dir import JsonlWriter, disk_error, disk_errno, guard, repair_jsonl
+
+LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
+"""The JSONL files of a run: one line per step, per logged sample, per evaluation."""
 TRACKERS = ("tensorboard", "wandb", "trackio")
 """The experiment trackers `log.report_to` can name (TRL's `report_to` names)."""
 
@@ -74,6 +85,8 @@ def _without_env(*names: str) -> Iterator[None]:
 class _TensorBoard:
     """<run_dir>/tb; the config as a text summary at step 0."""
 
+    folder = "tb"
+
     def __init__(self, run_dir: Path, config: dict | None, project: str, name: str, offline: bool) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -92,6 +105,8 @@ class _TensorBoard:
 class _Wandb:
     """A wandb run (its own, `reinit="create_new"`, so runs in one process do not finish each other), in
     <run_dir>/wandb unless WANDB_DIR is set."""
+
+    folder = "wandb"
 
     def __init__(self, run_dir: Path, config: dict | None, project: str, name: str, offline: bool) -> None:
         if offline:
@@ -115,6 +130,8 @@ class _Wandb:
 class _Trackio:
     """A trackio run in its local database (TRACKIO_DIR, default ~/.cache/huggingface/trackio; `trackio show`)."""
 
+    folder = "trackio"
+
     def __init__(self, run_dir: Path, config: dict | None, project: str, name: str, offline: bool) -> None:
         import trackio
 
@@ -137,19 +154,6 @@ class _Trackio:
 _TRACKER_CLASSES = {"tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio}
 
 
-def _drop_records_after(path: Path, step: int) -> None:
-    """On resume from checkpoint `step`, forget records of later steps (a crash after logging a step but before
-    its checkpoint makes the resumed run compute that step again): the log then reads as one uninterrupted run."""
-    if not path.is_file():
-        return
-    lines = path.read_text().splitlines()
-    keep = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    if len(keep) != len(lines):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        tmp.replace(path)
-
-
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, total_steps: int, report_to: tuple[str, ...] = ("tensorboard",),
                  config: dict[str, Any] | None = None, project: str = "dppo", run_name: str = "",
@@ -164,9 +168,10 @@ class RunLogger:
         self._closed = False
         if not active:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
-            _drop_records_after(self.run_dir / name, start_step)
+        with guard(self.run_dir, self.run_dir):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        for name in LOGS:
+            repair_jsonl(self.run_dir, self.run_dir / name, keep_step=start_step)
         self._trackers: list[Any] = []
         unknown = [t for t in report_to if t not in TRACKERS]
         if unknown:
@@ -175,15 +180,14 @@ class RunLogger:
         try:
             for name in dict.fromkeys(report_to):
                 if name != "tensorboard" or tensorboard:
-                    self._trackers.append(_TRACKER_CLASSES[name](self.run_dir, config, project,
-                                                                 run_name or self.run_dir.name, trackers_offline))
+                    cls = _TRACKER_CLASSES[name]
+                    with guard(self.run_dir, self.run_dir / cls.folder):
+                        self._trackers.append(cls(self.run_dir, config, project, run_name or self.run_dir.name,
+                                                  trackers_offline))
+            self._metrics, self._samples, self._eval = (JsonlWriter(self.run_dir, self.run_dir / n) for n in LOGS)
         except BaseException:
-            for tracker in self._trackers:
-                tracker.close()
+            self._close_trackers(quiet=True)
             raise
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        self._samples = open(self.run_dir / "samples.jsonl", "a", buffering=1)
-        self._eval = open(self.run_dir / "eval.jsonl", "a", buffering=1)
         self._progress = None
         if progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -207,7 +211,7 @@ class RunLogger:
         if not self.active:
             return
         record = {"step": step, "time": round(time.time() - self._t0, 3), **{k: _clean(v) for k, v in metrics.items()}}
-        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.write(record)
         self._to_trackers(_numbers(metrics), step)
         if self._progress is not None:
             info = f"reward {metrics.get('reward/mean', float('nan')):.3f} | {metrics.get('perf/step_s', float('nan')):.1f}s/step"
@@ -216,19 +220,50 @@ class RunLogger:
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         if not self.active:
             return
-        for s in samples:
-            self._samples.write(json.dumps({"step": step, **s}) + "\n")
+        self._samples.write_lines([{"step": step, **s} for s in samples])
 
     def log_eval(self, step: int, result: dict[str, float]) -> None:
         if not self.active:
             return
-        self._eval.write(json.dumps({"step": step, **result}) + "\n")
+        self._eval.write({"step": step, **result})
         self._to_trackers({f"eval/{k}": v for k, v in _numbers(result).items()}, step)
 
     def _to_trackers(self, metrics: dict[str, float], step: int) -> None:
-        if metrics:
-            for tracker in self._trackers:
+        if not metrics:
+            return
+        for tracker in list(self._trackers):
+            try:
                 tracker.log(metrics, step)
+            except Exception as exc:  # noqa: BLE001 - a disk error stops the run; any other drops the tracker
+                self._tracker_failed(tracker, exc)
+
+    def _tracker_failed(self, tracker: Any, exc: Exception) -> None:
+        folder = self.run_dir / tracker.folder
+        code = disk_errno(exc, folder)
+        if code is not None:
+            raise disk_error(self.run_dir, folder, code, exc) from exc
+        self._trackers.remove(tracker)
+        self.print(f"[dppo] warning: tracker {tracker.folder} failed ({type(exc).__name__}: {exc}); it is dropped, "
+                   f"the run goes on (metrics.jsonl holds every step)")
+        with contextlib.suppress(Exception):
+            tracker.close()
+
+    def _close_trackers(self, *, quiet: bool) -> None:
+        """Close every tracker; the first disk error is raised after all are closed (none with quiet)."""
+        failure = None
+        for tracker in self._trackers:
+            try:
+                tracker.close()
+            except Exception as exc:  # noqa: BLE001 - each tracker gets closed
+                code = None if quiet else disk_errno(exc, self.run_dir / tracker.folder)
+                if code is not None and failure is None:
+                    failure = disk_error(self.run_dir, self.run_dir / tracker.folder, code, exc)
+                elif not quiet:
+                    print(f"[dppo] warning: closing tracker {tracker.folder} failed ({type(exc).__name__}: {exc})",
+                          file=sys.stderr)
+        self._trackers = []
+        if failure is not None:
+            raise failure
 
     def print(self, message: str) -> None:
         if not self.active:
@@ -238,14 +273,14 @@ class RunLogger:
         else:
             print(message, flush=True)
 
-    def close(self) -> None:
-        """Finish every tracker and close the files (a second call does nothing)."""
+    def close(self, *, quiet: bool = False) -> None:
+        """Finish every tracker and close the files (a second call does nothing). quiet: after a failure, close
+        whatever can be closed and raise nothing (a disk error while finishing a tracker is otherwise raised)."""
         if not self.active or self._closed:
             return
         self._closed = True
         if self._progress is not None:
             self._progress.stop()
-        for tracker in self._trackers:
-            tracker.close()
         for f in (self._metrics, self._samples, self._eval):
             f.close()
+        self._close_trackers(quiet=quiet)
