@@ -34,8 +34,8 @@ import torch
 from dppo.studies.sanity.config import TASK_DEFAULTS, SanityConfig, parse_args, task_options
 from dppo.studies.sanity.methods import method_loss, run_name
 from dppo.studies.sanity.noise import NoisyRolloutTrainer
-from dppo.studies.sanity.summary import CRITERIA, CURVE_KEYS, curves, fmt, format_table, plot_sanity, summarize_method, \
-    summarize_run
+from dppo.studies.sanity.summary import (CRITERIA, CURVE_KEYS, curves, fmt, format_table, plot_sanity, summarize_method,
+                                         summarize_run)
 from dppo.train.config import Config, replace
 from dppo.train.trainer import Trainer
 
