@@ -114,7 +114,7 @@ def _far_batch(trainer):
     up = torch.rand(batch.response_mask.shape, generator=gen) < 0.5  # µ above π, or below
     shift = torch.where(far, torch.where(up, 1.2, -1.2), 0.0)
     batch.rollout_logp = torch.where(batch.response_mask, (batch.rollout_logp + shift).clamp(max=-1e-3), 0.0)
-    batch.topk_logp = torch.where(far[..., None], batch.topk_logp - 1.2, batch.topk_logp)
+    batch.rollout_topk_logp = torch.where(far[..., None], batch.rollout_topk_logp - 1.2, batch.rollout_topk_logp)
     rewards = torch.rand(P * G, generator=gen)
     adv = rewards - rewards.view(P, G).mean(-1).repeat_interleave(G)
     return batch, adv
@@ -130,14 +130,14 @@ def _reference(trainer, batch, adv, cell):
     args = (batch.prompt_ids, batch.response_ids, batch.response_mask)
     with autocast:
         with torch.no_grad():
-            old = score_responses_reference(model, *args, temperature=cfg.rollout.temperature, topk_ids=batch.topk_ids)
-        scores = score_responses_reference(model, *args, temperature=cfg.rollout.temperature, topk_ids=batch.topk_ids)
+            old = score_responses_reference(model, *args, temperature=cfg.rollout.temperature, topk_ids=batch.rollout_topk_ids)
+        scores = score_responses_reference(model, *args, temperature=cfg.rollout.temperature, topk_ids=batch.rollout_topk_ids)
     recompute = cfg.loss.anchor == "recompute"
     region = TRUST_REGIONS[cfg.loss.trust_region]
     divergence = None
     if region.needs_topk and cfg.loss.loss == "masked_is":
         fn = {"topk_tv": topk_tv, "topk_kl": topk_kl}[region.divergence]
-        divergence = fn(scores.topk_logp, old.topk_logp if recompute else batch.topk_logp, batch.topk_valid)
+        divergence = fn(scores.topk_logp, old.topk_logp if recompute else batch.rollout_topk_logp, batch.rollout_topk_valid)
     loss, _ = LOSSES[cfg.loss.loss](scores.logp, batch.rollout_logp, adv, batch.response_mask, divergence=divergence,
                                     old_logp=old.logp if recompute else None,
                                     max_response_len=cfg.rollout.max_new_tokens, **cfg.loss.settings())

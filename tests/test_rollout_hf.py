@@ -127,8 +127,8 @@ def test_results_do_not_depend_on_the_other_prompts(tiny_model, tokenizer, with_
     last_b = engine.generate([[12], [13, 14, 15], short], params)[6:]
     same_rollouts(last_a, last_b)
     for x, y in zip(last_a, last_b):
-        assert torch.equal(x.topk_ids, y.topk_ids)
-        torch.testing.assert_close(x.topk_logp, y.topk_logp)
+        assert torch.equal(x.rollout_topk_ids, y.rollout_topk_ids)
+        torch.testing.assert_close(x.rollout_topk_logp, y.rollout_topk_logp)
 
 
 def test_batching_in_chunks_gives_the_same_rollouts(tiny_model, tokenizer):
@@ -150,20 +150,20 @@ def test_topk_layout(tiny_model, tokenizer, chat_prompts, K):
     in_top = out_top = 0
     for r in rollouts:
         T = r.response_ids.numel()
-        assert r.topk_ids.shape == (T, K + 1) and r.topk_logp.shape == (T, K + 1) and r.topk_valid.shape == (T, K + 1)
-        assert r.topk_valid[:, :K].all()
-        assert (r.topk_logp[:, :K].diff(dim=-1) <= 0).all()  # sorted by µ, descending
-        assert (r.topk_logp <= 0).all()
-        mass = torch.where(r.topk_valid, r.topk_logp.exp(), 0.0).sum(-1)
+        assert r.rollout_topk_ids.shape == (T, K + 1) and r.rollout_topk_logp.shape == (T, K + 1) and r.rollout_topk_valid.shape == (T, K + 1)
+        assert r.rollout_topk_valid[:, :K].all()
+        assert (r.rollout_topk_logp[:, :K].diff(dim=-1) <= 0).all()  # sorted by µ, descending
+        assert (r.rollout_topk_logp <= 0).all()
+        mass = torch.where(r.rollout_topk_valid, r.rollout_topk_logp.exp(), 0.0).sum(-1)
         assert (mass <= 1 + 1e-5).all()
-        hit = (r.topk_ids[:, :K] == r.response_ids[:, None]).any(-1)
-        assert torch.equal(r.topk_valid[:, K], ~hit)  # last slot used iff the sampled token is not in the top-K
-        assert (r.topk_ids[hit, K] == 0).all() and (r.topk_logp[hit, K] == 0).all()
-        assert torch.equal(r.topk_ids[~hit, K], r.response_ids[~hit])
-        assert torch.equal(r.topk_logp[~hit, K], r.rollout_logp[~hit])
-        sampled = (r.topk_ids == r.response_ids[:, None]) & r.topk_valid  # the sampled token is always present
+        hit = (r.rollout_topk_ids[:, :K] == r.response_ids[:, None]).any(-1)
+        assert torch.equal(r.rollout_topk_valid[:, K], ~hit)  # last slot used iff the sampled token is not in the top-K
+        assert (r.rollout_topk_ids[hit, K] == 0).all() and (r.rollout_topk_logp[hit, K] == 0).all()
+        assert torch.equal(r.rollout_topk_ids[~hit, K], r.response_ids[~hit])
+        assert torch.equal(r.rollout_topk_logp[~hit, K], r.rollout_logp[~hit])
+        sampled = (r.rollout_topk_ids == r.response_ids[:, None]) & r.rollout_topk_valid  # the sampled token is always present
         assert (sampled.sum(-1) == 1).all()
-        assert torch.equal((r.topk_logp * sampled).sum(-1), r.rollout_logp)
+        assert torch.equal((r.rollout_topk_logp * sampled).sum(-1), r.rollout_logp)
         in_top, out_top = in_top + int(hit.sum()), out_top + int((~hit).sum())
     assert in_top > 0 and out_top > 0
 
@@ -181,11 +181,11 @@ def test_rollout_logp_matches_trainer_recomputation_fp32(tiny_model, tokenizer, 
         logp = recompute_logp(tiny_model, r, temperature=temperature)
         picked = logp.gather(-1, r.response_ids[:, None])[:, 0]
         assert (picked - r.rollout_logp).abs().max() <= 1e-4
-        at_engine_ids = logp.gather(-1, r.topk_ids[:, :K])
-        assert (at_engine_ids - r.topk_logp[:, :K]).abs().max() <= 1e-4
+        at_engine_ids = logp.gather(-1, r.rollout_topk_ids[:, :K])
+        assert (at_engine_ids - r.rollout_topk_logp[:, :K]).abs().max() <= 1e-4
         trainer_ids = logp.topk(K, -1).indices
         # ids agree, except possibly between tokens whose log-probs tie to within float noise
-        differ = (trainer_ids != r.topk_ids[:, :K]).any(-1)
+        differ = (trainer_ids != r.rollout_topk_ids[:, :K]).any(-1)
         assert (differ.sum() == 0) or (at_engine_ids[differ] - logp.gather(-1, trainer_ids)[differ]).abs().max() < 1e-5
 
 
@@ -310,7 +310,7 @@ def test_max_logprobs_is_the_vocab_size(tiny_model, tokenizer):
     engine = HFEngine(tiny_model, tokenizer)
     assert engine.max_logprobs == len(tokenizer) == 100
     (r,) = engine.generate([[5]], SamplingParams(max_new_tokens=2, top_k_logprobs=100, seed=0))
-    torch.testing.assert_close(r.topk_logp[:, :100].exp().sum(-1), torch.ones(r.response_ids.numel()))
+    torch.testing.assert_close(r.rollout_topk_logp[:, :100].exp().sum(-1), torch.ones(r.response_ids.numel()))
 
 
 # --- collate and the registry -------------------------------------------------------------------------------------
@@ -323,20 +323,20 @@ def test_collate_pads_and_masks(tiny_model, tokenizer, with_logit_bias):
     lengths = torch.tensor([r.response_ids.numel() for r in rollouts])
     assert len(set(lengths.tolist())) > 1
     B, T = len(rollouts), int(lengths.max())
-    assert batch.response_ids.shape == (B, T) and batch.topk_ids.shape == (B, T, 4)
+    assert batch.response_ids.shape == (B, T) and batch.rollout_topk_ids.shape == (B, T, 4)
     assert torch.equal(batch.response_lengths, lengths)
     assert torch.equal(batch.prompt_index, torch.tensor([r.prompt_index for r in rollouts]))
     for i, r in enumerate(rollouts):
         n = r.response_ids.numel()
         assert torch.equal(batch.response_ids[i, :n], r.response_ids)
         assert (batch.response_ids[i, n:] == tokenizer.pad_token_id).all()
-        assert (batch.rollout_logp[i, n:] == 0).all() and not batch.topk_valid[i, n:].any()
-        assert torch.equal(batch.topk_valid[i, :n], r.topk_valid)
+        assert (batch.rollout_logp[i, n:] == 0).all() and not batch.rollout_topk_valid[i, n:].any()
+        assert torch.equal(batch.rollout_topk_valid[i, :n], r.rollout_topk_valid)
         assert batch.prompt_ids[i] is r.prompt_ids
     assert torch.equal(batch.response_mask, torch.arange(T)[None] < lengths[:, None])
     assert batch.finish_reason == [r.finish_reason for r in rollouts]
     without_topk = engine.generate(IDS_PROMPTS[:1], SamplingParams(max_new_tokens=4, seed=0))
-    assert collate(rollouts[:2] + without_topk).topk_ids is None
+    assert collate(rollouts[:2] + without_topk).rollout_topk_ids is None
 
 
 def test_registry(tiny_model, tokenizer):
@@ -373,4 +373,4 @@ def test_smollm2_chat_generation_and_fp32_parity():
         logp = recompute_logp(engine.model, r, temperature=1.0)
         picked = logp.gather(-1, r.response_ids[:, None])[:, 0]
         assert (picked - r.rollout_logp).abs().max() <= 1e-4
-        assert (logp.gather(-1, r.topk_ids[:, :20]) - r.topk_logp[:, :20]).abs().max() <= 1e-4
+        assert (logp.gather(-1, r.rollout_topk_ids[:, :20]) - r.rollout_topk_logp[:, :20]).abs().max() <= 1e-4

@@ -120,7 +120,7 @@ def test_n_samples_per_prompt_are_prompt_major(engine, tokenizer, chat_prompts):
     for r in rollouts:
         assert r.response_ids.dtype == torch.long and r.rollout_logp.dtype == torch.float32
         assert r.rollout_logp.shape == r.response_ids.shape and bool((r.rollout_logp <= 0).all())
-        assert r.topk_ids is None and r.weight_version == engine.weight_version
+        assert r.rollout_topk_ids is None and r.weight_version == engine.weight_version
 
 
 def test_token_id_prompts_and_tensors_are_accepted(engine):
@@ -168,29 +168,29 @@ def test_topk_layout(engine, chat_prompts, K):
     outside = 0
     for r in rollouts:
         T = r.response_ids.numel()
-        assert r.topk_ids.shape == r.topk_logp.shape == r.topk_valid.shape == (T, K + 1)
-        assert bool(r.topk_valid[:, :K].all())
-        top = r.topk_logp[:, :K]
+        assert r.rollout_topk_ids.shape == r.rollout_topk_logp.shape == r.rollout_topk_valid.shape == (T, K + 1)
+        assert bool(r.rollout_topk_valid[:, :K].all())
+        top = r.rollout_topk_logp[:, :K]
         assert bool((top[:, :-1] >= top[:, 1:]).all())  # sorted by µ
-        assert bool((r.topk_logp <= 0).all())
-        mass = torch.where(r.topk_valid, r.topk_logp, -math.inf).logsumexp(-1)
+        assert bool((r.rollout_topk_logp <= 0).all())
+        mass = torch.where(r.rollout_topk_valid, r.rollout_topk_logp, -math.inf).logsumexp(-1)
         assert bool((mass <= 1e-6).all())  # the K+1 cells hold at most all of µ's mass
         for t in range(T):
-            ids = r.topk_ids[t][r.topk_valid[t]].tolist()
+            ids = r.rollout_topk_ids[t][r.rollout_topk_valid[t]].tolist()
             assert len(set(ids)) == len(ids)
             tok = int(r.response_ids[t])
             assert tok in ids  # the sampled token is in the set
-            in_topk = tok in r.topk_ids[t, :K].tolist()
-            assert bool(r.topk_valid[t, K]) != in_topk
+            in_topk = tok in r.rollout_topk_ids[t, :K].tolist()
+            assert bool(r.rollout_topk_valid[t, K]) != in_topk
             outside += not in_topk
-            slot = r.topk_ids[t].tolist().index(tok)
-            assert r.topk_logp[t, slot] == r.rollout_logp[t]
-        assert bool((r.topk_ids[:, K][~r.topk_valid[:, K]] == 0).all())
-        assert bool((r.topk_logp[:, K][~r.topk_valid[:, K]] == 0).all())
+            slot = r.rollout_topk_ids[t].tolist().index(tok)
+            assert r.rollout_topk_logp[t, slot] == r.rollout_logp[t]
+        assert bool((r.rollout_topk_ids[:, K][~r.rollout_topk_valid[:, K]] == 0).all())
+        assert bool((r.rollout_topk_logp[:, K][~r.rollout_topk_valid[:, K]] == 0).all())
     if K == 1:
         assert outside > 0  # the extra slot is exercised
     batch = collate(rollouts)
-    assert batch.topk_ids.shape[-1] == K + 1 and not bool(batch.topk_valid[~batch.response_mask].any())
+    assert batch.rollout_topk_ids.shape[-1] == K + 1 and not bool(batch.rollout_topk_valid[~batch.response_mask].any())
 
 
 # --- parity with the trainer ------------------------------------------------------------------------------------
@@ -208,8 +208,8 @@ def test_rollout_logp_matches_trainer_recomputation_fp32(engine, vllm_model, cha
         picked = logp.gather(-1, r.response_ids[:, None])[:, 0]
         assert (picked - r.rollout_logp).abs().max() <= 1e-4
         # vLLM's top-K ids carry HF's log-probs, and are a top-K of HF's distribution (ties aside)
-        at_ids = logp.gather(-1, r.topk_ids[:, :K])
-        assert (at_ids - r.topk_logp[:, :K]).abs().max() <= 1e-4
+        at_ids = logp.gather(-1, r.rollout_topk_ids[:, :K])
+        assert (at_ids - r.rollout_topk_logp[:, :K]).abs().max() <= 1e-4
         kth_best = logp.topk(K, -1).values[:, -1]
         assert bool((at_ids[:, -1] >= kth_best - 1e-4).all())
 
@@ -332,7 +332,7 @@ def test_smollm2_bf16_mismatch_is_measured_and_fp32_matches():
             logp = recompute_logp(hf, r, temperature=1.0)
             deltas.append((logp.gather(-1, r.response_ids[:, None])[:, 0] - r.rollout_logp).abs())
             hf_top = logp.topk(20, -1).indices
-            overlaps += [len(set(a.tolist()) & set(b.tolist())) / 20 for a, b in zip(hf_top, r.topk_ids[:, :20])]
+            overlaps += [len(set(a.tolist()) & set(b.tolist())) / 20 for a, b in zip(hf_top, r.rollout_topk_ids[:, :20])]
         d = torch.cat(deltas)
         stats[dtype] = dict(tokens=d.numel(), mean_abs_dlogp=d.mean().item(), max_abs_dlogp=d.max().item(),
                             top20_overlap=sum(overlaps) / len(overlaps))

@@ -84,7 +84,7 @@ def reference(model, weights, batch: RolloutBatch, temperature: float, *, topk: 
     model.load_state_dict(weights)
     with torch.no_grad():
         scores = score_responses_reference(model, batch.prompt_ids, batch.response_ids, batch.response_mask,
-                                           temperature=temperature, topk_ids=batch.topk_ids if topk else None)
+                                           temperature=temperature, topk_ids=batch.rollout_topk_ids if topk else None)
     return (scores.topk_logp if topk else scores.logp).cpu()
 
 
@@ -175,11 +175,11 @@ def test_topk_trust_region_records_mu_topk_and_trains(tmp_path):
     batch = call.batch
     B, T = batch.response_ids.shape
     assert B == P * G
-    assert batch.topk_logp is not None and batch.topk_logp.shape == (B, T, K + 1)
-    assert batch.topk_ids.shape == batch.topk_valid.shape == (B, T, K + 1)
-    valid = batch.topk_valid
+    assert batch.rollout_topk_logp is not None and batch.rollout_topk_logp.shape == (B, T, K + 1)
+    assert batch.rollout_topk_ids.shape == batch.rollout_topk_valid.shape == (B, T, K + 1)
+    valid = batch.rollout_topk_valid
     assert bool(valid[batch.response_mask][:, :K].all()) and not bool(valid[~batch.response_mask].any())
-    assert bool(torch.isfinite(batch.topk_logp).all()) and bool((batch.topk_logp[valid] < 0).all())
+    assert bool(torch.isfinite(batch.rollout_topk_logp).all()) and bool((batch.rollout_topk_logp[valid] < 0).all())
     # µ's top-K cells are π's log-probs at those ids (same fp32 weights)
     pi = reference(scratch, call.weights, batch, cfg.rollout.temperature, topk=True)
-    torch.testing.assert_close(batch.topk_logp[valid], pi[valid], atol=ATOL, rtol=0)
+    torch.testing.assert_close(batch.rollout_topk_logp[valid], pi[valid], atol=ATOL, rtol=0)

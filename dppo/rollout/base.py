@@ -12,11 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
 
+import torch
 from torch import Tensor
 
 FinishReason = Literal["eos", "length", "stop"]
-# A prompt is either token ids or chat messages ([{"role": ..., "content": ...}, ...]).
-Prompt = Sequence[int] | Sequence[dict]
+EnginePrompt = Sequence[int] | Sequence[dict]
+"""What an engine samples from: token ids (used as they are) or chat messages ([{"role": ..., "content": ...}, ...],
+rendered by the engine's chat template with the generation prompt). A task's `dppo.example.Prompt` (text or
+messages) becomes one through `dppo.train.evaluation.engine_prompts`."""
 
 
 @dataclass(frozen=True)
@@ -79,16 +82,29 @@ class Rollout:
     token_versions: Tensor | None = None
     """[T] int64: the weight version that sampled each token (differs from `weight_version` only after an
     in-flight weight update, rollout.in_flight_updates; engines that do not record it leave None)."""
-    topk_ids: Tensor | None = None
+    rollout_topk_ids: Tensor | None = None
     """[T, K+1] int64: µ's top-K ids sorted by µ descending, then the sampled id if not among them (else 0)."""
-    topk_logp: Tensor | None = None
+    rollout_topk_logp: Tensor | None = None
     """[T, K+1] float32: µ's log-probs at topk_ids (0 where invalid)."""
-    topk_valid: Tensor | None = None
+    rollout_topk_valid: Tensor | None = None
     """[T, K+1] bool: True where the slot is used (first K always; the last only for an out-of-top-K token)."""
 
 
+def topk_cells(tokens: Tensor, logp: Tensor, top_ids: Tensor, top_logp: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """µ's cells in the fixed [..., K+1] layout (spec §2), from the sampled tokens [...] with their log-probs and
+    µ's top-K ids/log-probs [..., K] (sorted by µ): the top-K, then the sampled token in the last slot when it is
+    not among them (id 0 and log-prob 0 otherwise); `valid` marks the used slots (the first K always). Every engine
+    and adapter builds the layout here."""
+    in_topk = (top_ids == tokens[..., None]).any(-1)
+    valid = torch.ones(top_ids.shape[:-1] + (top_ids.shape[-1] + 1,), dtype=torch.bool, device=top_ids.device)
+    valid[..., -1] = ~in_topk
+    ids = torch.cat([top_ids, torch.where(in_topk, 0, tokens)[..., None]], -1)
+    cells = torch.cat([top_logp, torch.where(in_topk, 0.0, logp.to(top_logp.dtype))[..., None]], -1)
+    return ids, cells, valid
+
+
 def prompt_token_ids(
-    prompts: Sequence[Prompt],
+    prompts: Sequence[EnginePrompt],
     params: SamplingParams,
     *,
     tokenizer,
@@ -141,7 +157,7 @@ class Engine(Protocol):
     """Largest K the engine can return (top_k_logprobs above it is refused before generation)."""
     weight_version: int
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Rollout]:
+    def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
         """Sample params.n responses per prompt; returns len(prompts) * n rollouts, prompt-major."""
         ...
 

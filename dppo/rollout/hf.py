@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from dppo.rollout.base import Prompt, Rollout, SamplingParams, prompt_token_ids
+from dppo.rollout.base import EnginePrompt, Rollout, SamplingParams, prompt_token_ids, topk_cells
 
 _CHECK_EVERY = 8
 """Decode steps between checks for finished rows (one host sync each)."""
@@ -105,7 +105,7 @@ class HFEngine:
 
     # --- the Engine protocol -------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Rollout]:
+    def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
         """Sample `params.n` responses per prompt; returns len(prompts) * n rollouts, prompt-major."""
         prompt_ids = self._validate(prompts, params)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._generator))
@@ -155,7 +155,7 @@ class HFEngine:
 
     # --- internals ------------------------------------------------------------------------------------------
 
-    def _validate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[int]]:
+    def _validate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[list[int]]:
         """Token ids of every prompt; ValueError (naming the parameter) for anything that cannot be generated."""
         if self.model is None:
             raise ValueError("engine: closed")
@@ -246,7 +246,7 @@ class HFEngine:
         last = tokens.gather(1, (lengths - 1)[:, None])[:, 0]
         tokens, logp, lengths, last = tokens.cpu(), logp.cpu(), lengths.tolist(), last.tolist()
         if top is not None:
-            topk_ids, topk_logp, topk_valid = _topk_with_sampled(tokens, logp, top[0].cpu(), top[1].cpu())
+            topk_ids, topk_logp, topk_valid = topk_cells(tokens, logp, top[0].cpu(), top[1].cpu())
         eos = self.eos_ids
         prompts = [torch.tensor(p, dtype=torch.long) for p in prompt_ids]
         rollouts = []
@@ -264,9 +264,9 @@ class HFEngine:
                     finish_reason=reason,
                     weight_version=int(versions[b, 0]),
                     token_versions=versions[b, :length].clone(),
-                    topk_ids=topk_ids[b, :length].clone() if top is not None else None,
-                    topk_logp=topk_logp[b, :length].clone() if top is not None else None,
-                    topk_valid=topk_valid[b, :length].clone() if top is not None else None,
+                    rollout_topk_ids=topk_ids[b, :length].clone() if top is not None else None,
+                    rollout_topk_logp=topk_logp[b, :length].clone() if top is not None else None,
+                    rollout_topk_valid=topk_valid[b, :length].clone() if top is not None else None,
                 )
             )
         return rollouts
@@ -369,16 +369,6 @@ def _truncate(scaled: Tensor, *, top_k: int, top_p: float) -> Tensor:
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return scaled
-
-
-def _topk_with_sampled(tokens: Tensor, logp: Tensor, ids: Tensor, values: Tensor):
-    """The [B, T, K+1] layout of base.py: µ's top-K, then the sampled token if it is not among them."""
-    in_topk = (ids == tokens[..., None]).any(-1)
-    extra_id = torch.where(in_topk, 0, tokens)
-    extra_logp = torch.where(in_topk, 0.0, logp)
-    valid = torch.ones(ids.shape[:-1] + (ids.shape[-1] + 1,), dtype=torch.bool)
-    valid[..., -1] = ~in_topk
-    return torch.cat([ids, extra_id[..., None]], -1), torch.cat([values, extra_logp[..., None]], -1), valid
 
 
 def _row_uniforms(seed: int, rows: range, steps: int) -> Tensor:

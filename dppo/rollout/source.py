@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 from torch import Tensor
 
-from dppo.rollout.base import Prompt, Rollout, SamplingParams
+from dppo.rollout.base import EnginePrompt, Rollout, SamplingParams
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Draw:
 
     examples: list
     """The task examples (rollouts' `prompt_index` indexes this list)."""
-    prompts: list[Prompt]
+    prompts: list[EnginePrompt]
     """What the engine takes for each example (token ids or chat messages)."""
     params: SamplingParams
     position: int
@@ -78,7 +78,7 @@ class RolloutSource:
     def publish(self, version: int, weights: dict[str, Tensor]) -> None:
         raise NotImplementedError
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Rollout]:
+    def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
         raise NotImplementedError
 
     def metrics(self) -> dict[str, float]:
@@ -126,7 +126,7 @@ class EngineSource(RolloutSource):
         if len(self._waiting) > self.lag:
             self._load(*self._waiting.popleft())
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Rollout]:
+    def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
         return stamp(self.engine.generate(prompts, params), self.version)
 
     def close(self) -> None:

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from dppo.rollout.base import FinishReason, Prompt, Rollout, SamplingParams, prompt_token_ids
+from dppo.rollout.base import FinishReason, EnginePrompt, Rollout, SamplingParams, prompt_token_ids, topk_cells
 
 DEFAULT_KV_CACHE_GB = 2
 """KV cache size on CPU when neither `kv_cache_gb` nor ``VLLM_CPU_KVCACHE_SPACE`` is given."""
@@ -175,7 +175,7 @@ class VLLMEngine:
 
     # --- the Engine protocol -------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[Rollout]:
+    def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
         """Sample `params.n` responses per prompt; returns len(prompts) * n rollouts, prompt-major."""
         vllm = _import_vllm()
         prompt_ids = self._validate(prompts, params)
@@ -261,14 +261,9 @@ class VLLMEngine:
         if self.llm is None:
             raise ValueError("engine: closed")
 
-    def _validate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[int]]:
+    def _validate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[list[int]]:
         """Token ids of every prompt; ValueError (naming the parameter) for anything that cannot be generated."""
         self._check_open()
-        if params.top_k_logprobs > self.max_logprobs:
-            raise ValueError(
-                f"top_k_logprobs: {params.top_k_logprobs} exceeds this engine's max_logprobs {self.max_logprobs} "
-                "(vLLM's cap, fixed at construction: VLLMEngine(..., max_logprobs=K))"
-            )
         if params.temperature < _MIN_TEMPERATURE:
             raise ValueError(
                 f"temperature: vLLM samples greedily below {_MIN_TEMPERATURE}, got {params.temperature}"
@@ -295,12 +290,7 @@ class VLLMEngine:
         logp = lps[:, 0].clone()
         topk_ids = topk_logp = topk_valid = None
         if K:
-            top_ids, top_logp = ids[:, 1:], lps[:, 1:]
-            in_topk = (top_ids == response[:, None]).any(-1)
-            topk_ids = torch.cat([top_ids, torch.where(in_topk, 0, response)[:, None]], -1)
-            topk_logp = torch.cat([top_logp, torch.where(in_topk, 0.0, logp)[:, None]], -1)
-            topk_valid = torch.ones((T, K + 1), dtype=torch.bool)
-            topk_valid[:, K] = ~in_topk
+            topk_ids, topk_logp, topk_valid = topk_cells(response, logp, ids[:, 1:], lps[:, 1:])
         return Rollout(
             prompt_index=index,
             prompt_ids=prompt,
@@ -308,9 +298,9 @@ class VLLMEngine:
             rollout_logp=logp,
             finish_reason=self._finish_reason(tokens, completion.finish_reason, params),
             weight_version=self.weight_version,
-            topk_ids=topk_ids,
-            topk_logp=topk_logp,
-            topk_valid=topk_valid,
+            rollout_topk_ids=topk_ids,
+            rollout_topk_logp=topk_logp,
+            rollout_topk_valid=topk_valid,
         )
 
     def _finish_reason(self, tokens: list[int], vllm_reason: str | None, params: SamplingParams) -> FinishReason:

@@ -40,11 +40,11 @@ class RolloutBatch:
     finish_reason: list[str]
     weight_version: Tensor
     """[B] int64."""
-    topk_ids: Tensor | None = None
+    rollout_topk_ids: Tensor | None = None
     """[B, T, K+1] int64 or None."""
-    topk_logp: Tensor | None = None
+    rollout_topk_logp: Tensor | None = None
     """[B, T, K+1] float32 or None."""
-    topk_valid: Tensor | None = None
+    rollout_topk_valid: Tensor | None = None
     """[B, T, K+1] bool or None (False at padding)."""
     extras: dict = field(default_factory=dict)
 
@@ -54,8 +54,8 @@ class RolloutBatch:
         return RolloutBatch(
             prompt_ids=self.prompt_ids, prompt_index=self.prompt_index, response_ids=move(self.response_ids),
             response_mask=move(self.response_mask), rollout_logp=move(self.rollout_logp),
-            finish_reason=self.finish_reason, weight_version=self.weight_version, topk_ids=move(self.topk_ids),
-            topk_logp=move(self.topk_logp), topk_valid=move(self.topk_valid), extras=self.extras,
+            finish_reason=self.finish_reason, weight_version=self.weight_version, rollout_topk_ids=move(self.rollout_topk_ids),
+            rollout_topk_logp=move(self.rollout_topk_logp), rollout_topk_valid=move(self.rollout_topk_valid), extras=self.extras,
         )
 
     @property
@@ -73,10 +73,10 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
     response_ids = torch.full((B, T), pad_id, dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.bool)
     logp = torch.zeros((B, T), dtype=torch.float32)
-    has_topk = all(r.topk_ids is not None for r in rollouts)
+    has_topk = all(r.rollout_topk_ids is not None for r in rollouts)
     if has_topk:
-        S = rollouts[0].topk_ids.shape[-1]
-        if any(r.topk_ids.shape[-1] != S for r in rollouts):
+        S = rollouts[0].rollout_topk_ids.shape[-1]
+        if any(r.rollout_topk_ids.shape[-1] != S for r in rollouts):
             raise ValueError("rollouts: top-K widths differ between rollouts")
         topk_ids = torch.zeros((B, T, S), dtype=torch.long)
         topk_logp = torch.zeros((B, T, S), dtype=torch.float32)
@@ -87,9 +87,9 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
         mask[i, :n] = True
         logp[i, :n] = r.rollout_logp
         if has_topk:
-            topk_ids[i, :n] = r.topk_ids
-            topk_logp[i, :n] = r.topk_logp
-            topk_valid[i, :n] = r.topk_valid
+            topk_ids[i, :n] = r.rollout_topk_ids
+            topk_logp[i, :n] = r.rollout_topk_logp
+            topk_valid[i, :n] = r.rollout_topk_valid
     extras = {}
     if all(r.token_versions is not None for r in rollouts):  # [B, T]: the weight version of each token
         versions = torch.zeros((B, T), dtype=torch.long)
@@ -104,8 +104,8 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
         rollout_logp=logp,
         finish_reason=[r.finish_reason for r in rollouts],
         weight_version=torch.tensor([r.weight_version for r in rollouts], dtype=torch.long),
-        topk_ids=topk_ids if has_topk else None,
-        topk_logp=topk_logp if has_topk else None,
-        topk_valid=topk_valid if has_topk else None,
+        rollout_topk_ids=topk_ids if has_topk else None,
+        rollout_topk_logp=topk_logp if has_topk else None,
+        rollout_topk_valid=topk_valid if has_topk else None,
         extras=extras,
     )

@@ -41,7 +41,7 @@ from dppo.rollout.base import SamplingParams
 from dppo.train.batch import RolloutBatch, collate
 from dppo.rollout.source import Draw
 from dppo.train.build import (build_model, build_reward_runner, build_scorer, build_source, build_task, check_rollout,
-                              engine_state, resolve_device)
+                              engine_state, resolve_config, resolve_device)
 from dppo.train.evaluation import decode_responses, engine_prompts, evaluate, load_checkpoint_weights
 from dppo.train.scoring import Scores
 from dppo.trust_region import TRUST_REGIONS
@@ -135,7 +135,10 @@ class GracefulStop:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False) -> None:
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+        """`self.cfg` is `cfg` resolved (`dppo.train.build.resolve_config`: engine, dtype, K and the trust region's
+        parameters as this run uses them), which `dppo train` saves as the run directory's config.yaml."""
+        self.cfg, self.run_dir = resolve_config(cfg), Path(run_dir)
+        cfg = self.cfg
         self.dist = init_from_env(cfg, resolve_device(cfg.model.device))  # under torchrun: join the process group
         self._closed = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -285,7 +288,7 @@ class Trainer:
             return self.scorer(
                 [batch.prompt_ids[i] for i in idx.tolist()], batch.response_ids[idx], batch.response_mask[idx],
                 temperature=cfg.rollout.temperature,
-                topk_ids=batch.topk_ids[idx] if batch.topk_ids is not None else None,
+                topk_ids=batch.rollout_topk_ids[idx] if batch.rollout_topk_ids is not None else None,
                 with_entropy=with_entropy, pad_id=self.pad_id,
             )
 
@@ -358,8 +361,8 @@ class Trainer:
         mask, rollout_logp = batch.response_mask[micro], batch.rollout_logp[micro]
         divergence = None
         if self.topk_divergence is not None:  # Top-K regions: the divergence against the anchor's top-K cells
-            anchor_cells = old.topk_logp[micro] if old is not None else batch.topk_logp[micro]
-            divergence = self.topk_divergence(scores.topk_logp, anchor_cells, batch.topk_valid[micro])
+            anchor_cells = old.topk_logp[micro] if old is not None else batch.rollout_topk_logp[micro]
+            divergence = self.topk_divergence(scores.topk_logp, anchor_cells, batch.rollout_topk_valid[micro])
         loss, stats = self.loss_fn(scores.logp, rollout_logp, adv[micro], mask, divergence=divergence,
                                    old_logp=old.logp[micro] if old is not None else None,
                                    max_response_len=self.cfg.rollout.max_new_tokens, denominator=denom,
@@ -579,10 +582,10 @@ class _Accumulator:
         self._add("mismatch/binary_tv_mean", tv.sum() / n.clamp(min=1), n)
         self._add("mismatch/binary_kl_mean", sel(binary_kl(logp, mu)), n)
         self._add("mismatch/log_ratio_gt_log2_frac", sel(((logp - mu).abs() > math.log(2)).float()), n)
-        if scores.topk_logp is not None and batch.topk_logp is not None:
-            valid = batch.topk_valid[micro]
-            self._add("mismatch/topk_tv_mean", sel(topk_tv(scores.topk_logp, batch.topk_logp[micro], valid)), n)
-            self._add("mismatch/topk_kl_mean", sel(topk_kl(scores.topk_logp, batch.topk_logp[micro], valid)), n)
+        if scores.topk_logp is not None and batch.rollout_topk_logp is not None:
+            valid = batch.rollout_topk_valid[micro]
+            self._add("mismatch/topk_tv_mean", sel(topk_tv(scores.topk_logp, batch.rollout_topk_logp[micro], valid)), n)
+            self._add("mismatch/topk_kl_mean", sel(topk_kl(scores.topk_logp, batch.rollout_topk_logp[micro], valid)), n)
         if scores.entropy is not None:
             self._add("policy/entropy", sel(scores.entropy), n)
         if "staleness" in batch.extras:

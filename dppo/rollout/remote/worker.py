@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dppo.rollout.base import Prompt, Rollout, SamplingParams
+from dppo.rollout.base import EnginePrompt, Rollout, SamplingParams
 from dppo.rollout.source import stamp
 from dppo.rollout.spec import EngineSpec, build_engine
 
@@ -36,7 +36,7 @@ class Request:
     id: int
     step: int
     """The training step whose batch this is (-1 for evaluation)."""
-    prompts: Sequence[Prompt]
+    prompts: Sequence[EnginePrompt]
     params: SamplingParams
 
 

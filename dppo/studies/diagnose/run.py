@@ -135,13 +135,13 @@ def run_diagnose(
     t0 = time.perf_counter()
     with torch.no_grad():
         scores = score_responses(trainer, batch.prompt_ids, batch.response_ids, batch.response_mask,
-                                 temperature=temperature, topk_ids=batch.topk_ids, pad_id=pad_id)
+                                 temperature=temperature, topk_ids=batch.rollout_topk_ids, pad_id=pad_id)
     timing["score"] = time.perf_counter() - t0
     device = scores.logp.device
     inputs = dict(logp=scores.logp, rollout_logp=batch.rollout_logp.to(device), response_mask=batch.response_mask.to(device),
                   topk_logp=scores.topk_logp,
-                  rollout_topk_logp=batch.topk_logp.to(device) if batch.topk_logp is not None else None,
-                  topk_valid=batch.topk_valid.to(device) if batch.topk_valid is not None else None)
+                  rollout_topk_logp=batch.rollout_topk_logp.to(device) if batch.rollout_topk_logp is not None else None,
+                  topk_valid=batch.rollout_topk_valid.to(device) if batch.rollout_topk_valid is not None else None)
     report = mismatch_report(**inputs, buckets=buckets)
     metrics = token_metrics(**inputs)
 

@@ -1,0 +1,57 @@
+"""dppo.train.build: the run config turned into the parts the trainer uses — the resolved config and the engine spec."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from dppo.rollout.spec import EngineSpec, build_engine
+from dppo.train.build import engine_spec, resolve_config
+from dppo.train.config import Config, replace
+from dppo.train.presets import get_preset
+from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS
+
+
+@pytest.mark.parametrize("region", sorted(TRUST_REGIONS))
+def test_the_resolved_config_names_every_value_the_run_uses(region, tmp_path):
+    extra = {"relax_alpha": 0.1} if region == "ppo_clip_relax" else {}
+    cfg = replace(get_preset("smoke"), loss={"trust_region": region, **extra}, model={"device": "cpu"})
+    resolved = resolve_config(cfg)
+    assert resolved.rollout.engine in ("hf", "vllm") and resolved.rollout.dtype in ("float32", "bfloat16")
+    assert resolved.rollout.top_k_logprobs == (DEFAULT_TOP_K if TRUST_REGIONS[region].needs_topk else 0)
+    for name, param in TRUST_REGIONS[region].params.items():  # each parameter at its registry default (or as given)
+        assert getattr(resolved.loss, name) == extra.get(name, param.default), name
+    assert resolve_config(resolved) == resolved  # idempotent: a resumed run resolves to the same values
+    resolved.save(tmp_path / "config.yaml")
+    assert Config.load(tmp_path / "config.yaml") == resolved  # what the run directory holds is what a resume reads
+
+
+def test_given_values_survive_resolution():
+    cfg = replace(get_preset("smoke"), loss={"trust_region": "dppo_topk_tv", "delta_low": 0.07},
+                  rollout={"top_k_logprobs": 5, "engine": "hf", "dtype": "float32"})
+    resolved = resolve_config(cfg)
+    assert (resolved.loss.delta_low, resolved.loss.delta_high) == (0.07, 0.15)
+    assert (resolved.rollout.top_k_logprobs, resolved.rollout.engine, resolved.rollout.dtype) == (5, "hf", "float32")
+
+
+def test_the_engine_spec_is_picklable_and_builds_the_run_model():
+    cfg = replace(get_preset("smoke"), rollout={"engine": "hf", "dtype": "float32"}, model={"device": "cpu"})
+    spec = engine_spec(cfg, seed_offset=3)
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    assert (spec.kind, spec.dtype, spec.seed, spec.model.name) == ("hf", "float32", cfg.train.seed + 3, "tiny-random")
+    engine = build_engine(spec)
+    try:
+        assert engine.model.config.hidden_size == cfg.model.tiny_hidden
+        assert engine.model.config.num_hidden_layers == cfg.model.tiny_layers
+    finally:
+        engine.close()
+
+
+def test_a_k_above_the_engine_cap_is_refused_at_build_time_naming_the_field():
+    spec = engine_spec(replace(get_preset("smoke"), rollout={"engine": "hf", "dtype": "float32"}, model={"device": "cpu"}))
+    with pytest.raises(ValueError, match=r"^rollout\.top_k_logprobs: 100000 exceeds the hf engine's max_logprobs"):
+        build_engine(dataclasses.replace(spec, top_k_logprobs=100_000))
+    with pytest.raises(ValueError, match=r"^rollout\.dtype:"):
+        EngineSpec(spec.model, dtype="float16")
