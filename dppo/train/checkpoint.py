@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from safetensors.torch import load_file
 
 from dppo.runtime.faults import fault_point
-from dppo.train.run_dir import check_space, guard, save_safetensors, save_torch
+from dppo.train.run_dir import check_space, guard, save_safetensors, save_torch, write_file
 
 if TYPE_CHECKING:
     from dppo.train.distributed import Dist
@@ -113,14 +113,13 @@ def save_checkpoint(
         save_torch(run_dir, optim_state, tmp / "optimizer.pt")
         save_torch(run_dir, scheduler.state_dict(), tmp / "scheduler.pt")
         state = {**trainer_state, "step": step, "rng": rng_state()}
-        with guard(run_dir, tmp / "trainer_state.json"):
-            (tmp / "trainer_state.json").write_text(json.dumps(state))
+        write_file(run_dir, tmp / "trainer_state.json", json.dumps(state))
         with guard(run_dir, tmp):
             for f in tmp.iterdir():
                 _fsync_file(f)
         fault_point("checkpoint", step)
+        write_file(run_dir, tmp / MARKER, "ok\n")
         with guard(run_dir, tmp / MARKER):
-            (tmp / MARKER).write_text("ok\n")
             _fsync_file(tmp / MARKER)
             _fsync_dir(tmp)
     except BaseException:

@@ -38,6 +38,7 @@ DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quot
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust libraries (safetensors) quote an errno
 LOW_SPACE = 1 << 20
 """Free bytes below which a write error with no errno (a library that lost it) is taken for a full disk."""
+_write, _open = os.write, open  # every byte this module writes goes through these two (the fault tests patch them)
 
 
 class RunDirError(RuntimeError):
@@ -86,10 +87,11 @@ def newest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def where_to_resume(run_dir: str | Path) -> str:
-    """"newest complete checkpoint: ... ; ... resume with: dppo train --resume DIR" for a message's end."""
+    """The end of a message: the newest complete checkpoint and the command that resumes from it."""
     newest = newest_checkpoint(run_dir)
-    kept = f"newest complete checkpoint: {newest} (intact)" if newest else "no complete checkpoint yet"
-    return f"{kept}; free space, then resume with: dppo train --resume {run_dir}"
+    if newest is None:
+        return "no complete checkpoint yet; free space, then start the run again"
+    return f"newest complete checkpoint: {newest} (intact); free space, then resume with: dppo train --resume {run_dir}"
 
 
 def disk_error(run_dir: str | Path, path: str | Path, code: int, exc: BaseException | None = None) -> RunDirError:
@@ -141,9 +143,9 @@ class JsonlWriter:
         with guard(self.run_dir, self.path):
             size = os.fstat(self._fd).st_size
             try:
-                done = os.write(self._fd, data)
+                done = _write(self._fd, data)
                 while done < len(data):  # a short write: the next call reports why (or finishes the line)
-                    done += os.write(self._fd, data[done:])
+                    done += _write(self._fd, data[done:])
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.ftruncate(self._fd, size)  # no half line left behind
@@ -170,7 +172,7 @@ def write_atomic(run_dir: str | Path, path: str | Path, content: str | bytes | C
             if callable(content):
                 content(tmp)
             else:
-                tmp.write_bytes(content.encode() if isinstance(content, str) else content)
+                write_file(run_dir, tmp, content)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -178,6 +180,12 @@ def write_atomic(run_dir: str | Path, path: str | Path, content: str | bytes | C
         with contextlib.suppress(OSError):
             tmp.unlink()
     return path
+
+
+def write_file(run_dir: str | Path, path: str | Path, content: str | bytes) -> None:
+    """Write `path` (not atomically: for files inside a folder that is renamed into place when complete)."""
+    with guard(run_dir, path), _open(path, "wb") as f:
+        f.write(content.encode() if isinstance(content, str) else content)
 
 
 class _ErrnoFile(io.RawIOBase):
@@ -201,7 +209,7 @@ def save_torch(run_dir: str | Path, obj: Any, path: str | Path) -> None:
     """`torch.save(obj, path)`; a disk error on the way is a RunDirError naming `path`."""
     import torch
 
-    with guard(run_dir, path), open(path, "wb") as f:
+    with guard(run_dir, path), _open(path, "wb") as f:
         sink = _ErrnoFile(f)
         try:
             torch.save(obj, sink)
