@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from torch import nn
@@ -97,10 +98,13 @@ def _save(model: nn.Module, tmp: Path, out: Path, *, merged: bool, base: Path | 
     elif is_peft:
         if base is None:  # built in process: the adapter needs a base folder beside it
             base = out.absolute() / "base"
-            model.get_base_model().save_pretrained(tmp / "base")
+            copy.deepcopy(model).unload().save_pretrained(tmp / "base")  # the base weights, the adapter removed
+        model = copy.deepcopy(model)  # the caller's model keeps its peft config
         for config in model.peft_config.values():
             config.base_model_name_or_path = str(base)
-        model.save_pretrained(tmp)
+        with warnings.catch_warnings():  # peft looks for the base's config at `base`, which exists once renamed
+            warnings.filterwarnings("ignore", message="Could not find a config file")
+            model.save_pretrained(tmp)
         return
     model.save_pretrained(tmp)
 
