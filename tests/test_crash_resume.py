@@ -1,4 +1,7 @@
-"""Kill -9 at three points of a run, resume, and compare with an uninterrupted run: identical weights and metrics.
+"""Kill -9 at four points of a run, resume, and compare with an uninterrupted run: identical weights and metrics.
+
+The points: after the rollout, after the first optimiser step, inside a checkpoint write (before its COMPLETE
+marker), and halfway through the append of a metrics.jsonl line (the resume cuts the torn line, with a warning).
 
 Conditions for bitwise equality (stated in the README): CPU, the `hf` engine (its sampling is seeded per step and
 per row), the same thread count. The crash is injected with DPPO_FAULT_INJECT (dppo.runtime.faults).
@@ -40,7 +43,7 @@ def reference(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("point", ["rollout@3", "update@3", "checkpoint@3"])
+@pytest.mark.parametrize("point", ["rollout@3", "update@3", "checkpoint@3", "log@3"])
 def test_kill9_then_resume_matches_uninterrupted_run(reference, tmp_path, point):
     run = tmp_path / "run"
     crashed = _run([*ARGS, "--run-dir", str(run)], env_extra={"DPPO_FAULT_INJECT": point})
@@ -50,6 +53,8 @@ def test_kill9_then_resume_matches_uninterrupted_run(reference, tmp_path, point)
     resumed = _run(["train", "--resume", str(run), "--log.no-progress"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "step_000002" in resumed.stdout
+    torn = f"[dppo] warning: {run / 'metrics.jsonl'}: dropped "
+    assert (torn in resumed.stderr) == (point == "log@3"), resumed.stderr[-2000:]
     assert not list((run / "checkpoints").glob(".tmp_*"))
     a = load_file(str(reference / "checkpoints" / "step_000005" / "model.safetensors"))
     b = load_file(str(run / "checkpoints" / "step_000005" / "model.safetensors"))

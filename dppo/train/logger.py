@@ -211,7 +211,7 @@ class RunLogger:
         if not self.active:
             return
         record = {"step": step, "time": round(time.time() - self._t0, 3), **{k: _clean(v) for k, v in metrics.items()}}
-        self._metrics.write(record)
+        self._metrics.write(record, fault=f"log@{step}")  # crash tests: killed halfway through this line
         self._to_trackers(_numbers(metrics), step)
         if self._progress is not None:
             info = f"reward {metrics.get('reward/mean', float('nan')):.3f} | {metrics.get('perf/step_s', float('nan')):.1f}s/step"

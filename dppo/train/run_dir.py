@@ -132,14 +132,20 @@ class JsonlWriter:
         with guard(self.run_dir, self.path):
             self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def write(self, record: dict[str, Any]) -> None:
-        self.write_lines([record])
+    def write(self, record: dict[str, Any], *, fault: str | None = None) -> None:
+        self.write_lines([record], fault=fault)
 
-    def write_lines(self, records: list[dict[str, Any]]) -> None:
-        """All of `records` in one write call (the samples of a step appear together or not at all)."""
+    def write_lines(self, records: list[dict[str, Any]], *, fault: str | None = None) -> None:
+        """All of `records` in one write call (the samples of a step appear together or not at all). fault: the
+        crash tests' point (`DPPO_FAULT_INJECT="<fault>"`): half the bytes are written, then the process is killed."""
         if not records:
             return
         data = "".join(json.dumps(r) + "\n" for r in records).encode()
+        if fault is not None and os.environ.get("DPPO_FAULT_INJECT") == fault:
+            from dppo.runtime.faults import fault_point
+
+            _write(self._fd, data[: len(data) // 2])
+            fault_point(*fault.split("@"))
         with guard(self.run_dir, self.path):
             size = os.fstat(self._fd).st_size
             try:
