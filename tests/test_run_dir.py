@@ -252,6 +252,21 @@ def test_a_tracker_that_fails_is_dropped_and_a_full_disk_under_it_stops_the_run(
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
+def test_tensorboard_on_a_real_full_tmpfs_is_the_one_error(tmp_path, capsys):
+    """TensorBoard writes from a thread: its disk error comes back at a later write, as the RunDirError, and the
+    thread's own traceback is not printed."""
+    with _tmpfs(tmp_path, "1m") as mount:
+        logger = RunLogger(mount / "run", total_steps=10_000, report_to=("tensorboard",), progress=False)
+        with open(mount / "ballast", "wb") as f:
+            with contextlib.suppress(OSError):
+                f.write(b"\0" * shutil.disk_usage(mount).free)
+        with pytest.raises(RunDirError, match=r"run/tb: no space left on device \(ENOSPC\) while writing"):
+            for step in range(1, 10_000):
+                logger._to_trackers({f"metric/{i}": 0.5 for i in range(50)}, step)
+        logger.close(quiet=True)
+    assert "Traceback" not in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------------- end to end
 def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

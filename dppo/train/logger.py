@@ -82,6 +82,27 @@ def _without_env(*names: str) -> Iterator[None]:
         os.environ.update(saved)
 
 
+def _quiet_tensorboard_disk_errors() -> None:
+    """TensorBoard writes from a thread; a disk error there is printed by `threading.excepthook` (a traceback on
+    stderr) and raised again at the next write, where the logger reports it as a RunDirError. Only that print is
+    dropped (installed once; other threads and other errors are printed as before)."""
+    import threading
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "dppo_quiet_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if not (isinstance(args.thread, _AsyncWriterThread) and args.exc_value is not None
+                and disk_errno(args.exc_value) is not None):
+            previous(args)
+
+    hook.dppo_quiet_tensorboard = True
+    threading.excepthook = hook
+
+
 class _TensorBoard:
     """<run_dir>/tb; the config as a text summary at step 0."""
 
@@ -89,6 +110,8 @@ class _TensorBoard:
 
     def __init__(self, run_dir: Path, config: dict | None, project: str, name: str, offline: bool) -> None:
         from torch.utils.tensorboard import SummaryWriter
+
+        _quiet_tensorboard_disk_errors()
 
         self._writer = SummaryWriter(str(run_dir / "tb"))
         if config is not None:
