@@ -164,11 +164,9 @@ def _export_final(run_dir: Path, checkpoint: Path, step: int) -> Path:
     """The final checkpoint's hf/ folder (a Hugging Face model folder, `dppo.train.export`)."""
     from dppo.train.export import export_checkpoint
 
-    try:
-        return export_checkpoint(run_dir, checkpoint / "hf", step=step)
-    except RunDirError as exc:
-        raise RunDirError(f"{exc} (the run itself finished: to write its model instead, run "
-                          f"`dppo export {run_dir} --step {step} {checkpoint / 'hf'}`)") from exc
+    out = checkpoint / "hf"
+    return export_checkpoint(run_dir, out, step=step, advice=f"the run itself finished ({checkpoint} is complete); "
+                             f"free space, then write its model with: dppo export {run_dir} --step {step} {out}")
 
 
 def cmd_eval(argv: list[str]) -> int:

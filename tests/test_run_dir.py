@@ -352,6 +352,20 @@ def test_a_full_disk_at_the_config_stops_before_training(tmp_path, monkeypatch, 
                      r"complete checkpoint yet", err) and "Traceback" not in err, err
 
 
+def test_a_full_disk_at_the_final_model_says_the_run_finished(tmp_path, monkeypatch, capsys):
+    import dppo.train.export as export
+
+    monkeypatch.setattr(export, "_save", _enospc)
+    run = tmp_path / "run"
+    assert main(["train", *[a for a in ARGS if a != "--no-hf"], "--run-dir", str(run)]) == 1
+    err = capsys.readouterr().err
+    final = run / "checkpoints" / "step_000004"
+    assert re.fullmatch(rf"dppo train: error: {re.escape(str(final))}/\.hf\.tmp-\d+: no space left on device \(ENOSPC\) "
+                        rf"while writing; .* free under {run}; the run itself finished \({final} is complete\); free "
+                        rf"space, then write its model with: dppo export {run} --step 4 {final}/hf", err.strip()), err
+    assert not list((run / "checkpoints" / "step_000004").glob("*hf*")) and (run / "summary.json").is_file()
+
+
 # ------------------------------------------------------------------------------------------------- error policy
 
 def test_a_bug_during_training_keeps_its_traceback(tmp_path, monkeypatch):

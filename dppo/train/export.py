@@ -34,9 +34,11 @@ from torch import nn
 from dppo.train.run_dir import guard
 
 
-def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None = None, merged: bool = False) -> Path:
+def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None = None, merged: bool = False,
+                      advice: str | None = None) -> Path:
     """Write checkpoint `step` (default: the newest that loads) of the run in `run_dir` as a Hugging Face folder
-    `out` (which must not exist). ValueError naming the flag at fault for a missing run, step or checkpoint."""
+    `out` (which must not exist). ValueError naming the flag at fault for a missing run, step or checkpoint;
+    RunDirError ending with `advice` (default: run the export again) when the disk cannot take it."""
     from dppo.train.build import build_model
     from dppo.train.checkpoint import checkpoint_path, complete_checkpoints, load_checkpoint, load_latest
     from dppo.train.config import Config, replace
@@ -62,11 +64,11 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None 
     cfg = replace(Config.load(run_dir / "config.yaml"), model={"device": "cpu", "gradient_checkpointing": False})
     model, tokenizer, base = build_model(cfg, run_dir)
     load_checkpoint_weights(model, ckpt["weights"], path, flag="RUN_DIR")
-    return export_model(model, tokenizer, out, merged=merged, base=base, run_dir=run_dir)
+    return export_model(model, tokenizer, out, merged=merged, base=base, run_dir=run_dir, advice=advice)
 
 
 def export_model(model: nn.Module, tokenizer, out: str | Path, *, merged: bool = False, base: Path | None = None,
-                 run_dir: str | Path | None = None) -> Path:
+                 run_dir: str | Path | None = None, advice: str | None = None) -> Path:
     """Write `model` (a transformers causal LM, or a peft model) and `tokenizer` as a Hugging Face folder `out`
     (see the module docstring). base: the base model's folder for a LoRA adapter (None: written to out/base).
     run_dir: named in a disk error (default: out's parent)."""
@@ -79,7 +81,7 @@ def export_model(model: nn.Module, tokenizer, out: str | Path, *, merged: bool =
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar between the run's lines
     try:
-        with guard(run_dir, tmp):
+        with guard(run_dir, tmp, advice=advice or f"nothing was written to {out}; free space, then export again"):
             tmp.mkdir(parents=True)
             _save(model, tmp, out, merged=merged, base=base)
             portable_tokenizer(tokenizer).save_pretrained(tmp)

@@ -94,16 +94,19 @@ def where_to_resume(run_dir: str | Path) -> str:
     return f"newest complete checkpoint: {newest} (intact); free space, then resume with: dppo train --resume {run_dir}"
 
 
-def disk_error(run_dir: str | Path, path: str | Path, code: int, exc: BaseException | None = None) -> RunDirError:
+def disk_error(run_dir: str | Path, path: str | Path, code: int, exc: BaseException | None = None, *,
+               advice: str | None = None) -> RunDirError:
+    """The RunDirError of disk error `code` at `path`; advice: what to do (default: `where_to_resume`)."""
     name = errno.errorcode.get(code, str(code))
     why = f" ({type(exc).__name__}: {str(exc)[:200]})" if exc is not None and not isinstance(exc, OSError) else ""
     return RunDirError(f"{path}: {DISK_ERRNOS[code]} ({name}) while writing{why}; {human(free_bytes(path))} free "
-                       f"under {run_dir}; {where_to_resume(run_dir)}")
+                       f"under {run_dir}; {advice or where_to_resume(run_dir)}")
 
 
 @contextlib.contextmanager
-def guard(run_dir: str | Path, path: str | Path) -> Iterator[None]:
-    """Turn a disk error (DISK_ERRNOS) raised while writing `path` into a RunDirError; anything else passes."""
+def guard(run_dir: str | Path, path: str | Path, *, advice: str | None = None) -> Iterator[None]:
+    """Turn a disk error (DISK_ERRNOS) raised while writing `path` into a RunDirError (ending with `advice`, by
+    default the newest checkpoint and the resume command); anything else passes."""
     try:
         yield
     except RunDirError:
@@ -112,7 +115,7 @@ def guard(run_dir: str | Path, path: str | Path) -> Iterator[None]:
         code = disk_errno(exc, Path(path))
         if code is None:
             raise
-        raise disk_error(run_dir, path, code, exc) from exc
+        raise disk_error(run_dir, path, code, exc, advice=advice) from exc
 
 
 def check_space(run_dir: str | Path, folder: str | Path, needed: int, what: str) -> None:
@@ -254,7 +257,8 @@ def repair_jsonl(run_dir: str | Path, path: Path, *, keep_step: int | None = Non
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise RunDirError(f"{path}: line {lineno}: not valid JSON ({exc}); the log is damaged before its last "
-                              f"line: fix or delete that line, then resume with: dppo train --resume {run_dir}") from None
+                              f"line: fix or delete that line, then resume with: dppo train --resume {run_dir}"
+                              ) from None
         if keep_step is None or not isinstance(record, dict) or record.get("step", 0) <= keep_step:
             keep.append(line)
     if len(whole) != len(data) or len(keep) != len(lines):
