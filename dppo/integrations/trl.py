@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -54,9 +53,10 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("dppo.integrations.trl needs TRL 1.16: pip install --no-deps trl==1.16.0") from exc
 
-from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
+from dppo.divergence import topk_kl, topk_tv
 from dppo.logprobs import fused_logprobs
 from dppo.losses import aggregate, policy_loss
+from dppo.metrics import MAXIMA, WEIGHTS, from_sums, masked_shares, mismatch_stats, ratio_stats, to_sums, token_mean
 from dppo.rollout.base import SamplingParams
 from dppo.train.config import ConfigError, LossConfig
 from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params, needs_topk, region_params
@@ -97,6 +97,7 @@ _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attentio
                  "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 _LOGIT_SCALING = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 _TOPK_DIVERGENCE = {"topk_tv": topk_tv, "topk_kl": topk_kl}
+_LOG_WEIGHTS = {**WEIGHTS, "entropy": "n_tokens", "kl": "n_tokens", "unscored_frac": "n_all"}
 
 
 # --------------------------------------------------------------------------------------------------- config
@@ -482,47 +483,43 @@ class DPPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _log_dppo(self, mode, logp, rollout_logp, adv, mask, unscored, stats, entropy, kl, cells, inputs) -> None:
-        """TRL's and dppo's metrics of one micro-batch (module docstring): one all-reduce of sums, one of maxima."""
-        adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
-        p, m = logp.detach().float(), rollout_logp.float().nan_to_num(0.0)
-        zero = torch.zeros((), device=p.device)
-        on = lambda x: torch.where(mask, x.float(), zero)  # noqa: E731 - padding and unscored tokens count nowhere
-        masked = on(~stats["keep"])
-        log_ratio = (p - m).clamp(max=20.0)
-        ratio = on(log_ratio.exp())
-        sums = {"n": on(mask), "n_pos": on(adv > 0), "n_neg": on(adv < 0), "masked": masked,
-                "masked_pos": masked * (adv > 0), "masked_neg": masked * (adv < 0), "ratio": ratio,
-                "above_cap": on(ratio > self.args.is_cap), "abs_log_ratio": on(log_ratio.abs()),
-                "log_ratio_gt_log2": on(log_ratio.abs() > math.log(2)), "tv": on(binary_tv(p, m)),
-                "kl_binary": on(binary_kl(p, m)), "entropy": on(entropy), "unscored": unscored.float(),
-                "all": (unscored | mask).float()}
+        """TRL's and dppo's metrics of one micro-batch (module docstring; the statistics are `dppo.metrics`'): one
+        all-reduce of sums, one of maxima."""
+        m = rollout_logp.nan_to_num(0.0)  # unscored tokens (NaN µ) are outside `mask`: they count nowhere
+        topk = {} if cells is None else {"logp_cells": cells, "rollout_cells": inputs["rollout_topk_logp"],
+                                         "cells_valid": inputs["rollout_topk_valid"]}
+        local = {**mismatch_stats(logp, m, mask, **topk), **masked_shares(stats["keep"], adv, mask),
+                 **ratio_stats(logp, m, mask, is_cap=self.args.is_cap)}
+        local["entropy"], _ = token_mean(entropy, mask)
+        local["unscored_frac"], local["n_all"] = token_mean(unscored, unscored | mask)
         if kl is not None:
-            sums["kl"] = on(kl.detach())
-        if cells is not None:
-            mu_cells, valid = inputs["rollout_topk_logp"], inputs["rollout_topk_valid"]
-            sums["topk_tv"] = on(topk_tv(cells, mu_cells, valid))
-            sums["topk_kl"] = on(topk_kl(cells, mu_cells, valid))
-        total = self.accelerator.reduce(torch.stack([v.sum() for v in sums.values()]), reduction="sum")
-        peak = self.accelerator.reduce(torch.stack([ratio.max(), on(log_ratio.abs()).max()]), reduction="max")
-        s = dict(zip(sums, total.tolist()))
-        ratio_max, diff_max = peak.tolist()
-        n, n_pos, n_neg = max(s["n"], 1.0), max(s["n_pos"], 1.0), max(s["n_neg"], 1.0)
+            local["kl"], _ = token_mean(kl, mask)
+        sums = to_sums(local, _LOG_WEIGHTS)
+        names = [k for k in sums if k not in MAXIMA]
+        total = self.accelerator.reduce(torch.stack([sums[k] for k in names]), reduction="sum")
+        peak = self.accelerator.reduce(torch.stack([sums[k] for k in MAXIMA]), reduction="max")
+        reduced = {**dict(zip(names, total)), **dict(zip(MAXIMA, peak))}
+        means = from_sums(reduced, _LOG_WEIGHTS)
+        n = reduced["n_tokens"].clamp(min=1)
+        means["masked_pos_share"] = reduced["masked_frac_pos"] / n  # masked with Â>0, as a share of all tokens
+        means["masked_neg_share"] = reduced["masked_frac_neg"] / n
+        v = dict(zip(means, torch.stack(list(means.values())).tolist()))
         metrics = {
-            "clip_ratio/region_mean": s["masked"] / n, "clip_ratio/high_mean": s["masked_pos"] / n,
-            "clip_ratio/low_mean": s["masked_neg"] / n, "dppo/masked_frac": s["masked"] / n,
-            "dppo/masked_frac_pos": s["masked_pos"] / n_pos, "dppo/masked_frac_neg": s["masked_neg"] / n_neg,
-            "dppo/ratio_mean": s["ratio"] / n, "dppo/ratio_max": ratio_max,
-            "dppo/ratio_above_cap_frac": s["above_cap"] / n,
-            "sampling/sampling_logp_difference/mean": s["abs_log_ratio"] / n,
-            "sampling/sampling_logp_difference/max": diff_max, "dppo/mismatch/tv_mean": s["tv"] / n,
-            "dppo/mismatch/kl_mean": s["kl_binary"] / n,
-            "dppo/mismatch/log_ratio_gt_log2_frac": s["log_ratio_gt_log2"] / n,
-            "dppo/unscored_frac": s["unscored"] / max(s["all"], 1.0), "entropy": s["entropy"] / n}
-        if "kl" in s:
-            metrics["kl"] = s["kl"] / n
-        if "topk_tv" in s:
-            metrics["dppo/mismatch/topk_tv_mean"] = s["topk_tv"] / n
-            metrics["dppo/mismatch/topk_kl_mean"] = s["topk_kl"] / n
+            "clip_ratio/region_mean": v["masked_frac"], "clip_ratio/high_mean": v["masked_pos_share"],
+            "clip_ratio/low_mean": v["masked_neg_share"], "dppo/masked_frac": v["masked_frac"],
+            "dppo/masked_frac_pos": v["masked_frac_pos"], "dppo/masked_frac_neg": v["masked_frac_neg"],
+            "dppo/ratio_mean": v["ratio_mean"], "dppo/ratio_max": v["ratio_max"],
+            "dppo/ratio_above_cap_frac": v["ratio_above_cap_frac"],
+            "sampling/sampling_logp_difference/mean": v["abs_log_ratio_mean"],
+            "sampling/sampling_logp_difference/max": v["abs_log_ratio_max"], "dppo/mismatch/tv_mean": v["binary_tv_mean"],
+            "dppo/mismatch/kl_mean": v["binary_kl_mean"],
+            "dppo/mismatch/log_ratio_gt_log2_frac": v["log_ratio_gt_log2_frac"],
+            "dppo/unscored_frac": v["unscored_frac"], "entropy": v["entropy"]}
+        if "kl" in v:
+            metrics["kl"] = v["kl"]
+        if "topk_tv_mean" in v:
+            metrics["dppo/mismatch/topk_tv_mean"] = v["topk_tv_mean"]
+            metrics["dppo/mismatch/topk_kl_mean"] = v["topk_kl_mean"]
         for name, value in metrics.items():
             self._metrics[mode][name].append(value)
 
@@ -622,8 +619,8 @@ class DPPORolloutFunc:
         if not self.k:
             out["logprobs"] = [r.rollout_logp.tolist() for r in rollouts]
             return out
-        out["logprobs"] = [torch.where(r.topk_valid, r.topk_logp, float("nan")).tolist() for r in rollouts]
-        out["logprob_token_ids"] = [r.topk_ids.tolist() for r in rollouts]
+        out["logprobs"] = [torch.where(r.rollout_topk_valid, r.rollout_topk_logp, float("nan")).tolist() for r in rollouts]
+        out["logprob_token_ids"] = [r.rollout_topk_ids.tolist() for r in rollouts]
         return out
 
     def close(self) -> None:

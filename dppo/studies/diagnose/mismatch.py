@@ -4,9 +4,9 @@ Given, for the same sampled tokens, the engine's log µ(a_t) and the trainer's r
 weights, different numerics: e.g. a bf16 engine and an fp32 trainer), `mismatch_report` shows why the ratio
 is a poor trust-region signal: r − 1 spreads out without bound as µ → 0, while |π − µ| (Binary TV) stays
 bounded by µ-scale mass. Per log-spaced µ bucket it reports the spread of r − 1, π − µ and |π − µ|, the
-Binary and Top-K TV/KL estimates (`dppo.divergence`), the top-K mass coverage Σ_{top-K} µ, and the fraction
-of tokens that PPO-clip and DPPO-Binary-TV (`dppo.trust_region.TRUST_REGIONS`) would mask, for Â = +1 and
-Â = −1 separately.
+Binary and Top-K TV/KL estimates (`dppo.metrics.token_mismatch`, the per-token values the trainer's mismatch
+metrics average), the top-K mass coverage Σ_{top-K} µ, and the fraction of tokens that PPO-clip and
+DPPO-Binary-TV (`dppo.trust_region.TRUST_REGIONS`) would mask, for Â = +1 and Â = −1 separately.
 
 **Simulated update.** The masks are evaluated with the recomputed π itself as the "updated" policy and µ as
 the anchor: they show which tokens each trust region would already reject when the only difference between
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from dppo._checks import check_same, check_tensor
-from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
+from dppo.metrics import token_mismatch
 from dppo.trust_region import TRUST_REGIONS
 
 __all__ = ["DEFAULT_BUCKETS", "DEFAULT_TRUST_REGIONS", "METRICS", "bucket_labels", "mismatch_report", "token_metrics"]
@@ -103,18 +103,21 @@ def token_metrics(
     has_topk = _check_inputs(logp, rollout_logp, response_mask, topk_logp, rollout_topk_logp, topk_valid)
     sel = response_mask
     lp, mlp = logp.float()[sel], rollout_logp.float()[sel]
+    cells = {}
+    if has_topk:
+        tp, tm = topk_logp.float()[sel], rollout_topk_logp.float()[sel]  # [N, K+1]
+        valid = topk_valid[sel] if topk_valid is not None else torch.ones_like(tp, dtype=torch.bool)
+        cells = {"logp_cells": tp, "rollout_cells": tm, "cells_valid": valid}
+    divergences = token_mismatch(lp, mlp, **cells)
     out = {
         "mu": mlp.exp(),
         "ratio_minus_1": torch.exp((lp - mlp).clamp(max=20.0)) - 1.0,
         "prob_diff": lp.exp() - mlp.exp(),
-        "binary_tv": binary_tv(lp, mlp),
-        "binary_kl": binary_kl(lp, mlp),
+        "binary_tv": divergences["binary_tv"],
+        "binary_kl": divergences["binary_kl"],
     }
     if has_topk:
-        tp, tm = topk_logp.float()[sel], rollout_topk_logp.float()[sel]  # [N, K+1]
-        valid = topk_valid[sel] if topk_valid is not None else torch.ones_like(tp, dtype=torch.bool)
-        out["topk_tv"] = topk_tv(tp, tm, valid)
-        out["topk_kl"] = topk_kl(tp, tm, valid)
+        out["topk_tv"], out["topk_kl"] = divergences["topk_tv"], divergences["topk_kl"]
         top = valid[:, :-1]  # the K top slots (the last slot is the out-of-top-K sampled token)
         out["topk_coverage"] = torch.where(top, tm[:, :-1].exp(), torch.zeros_like(tm[:, :-1])).sum(-1)
     ones = torch.ones_like(lp)

@@ -1,0 +1,199 @@
+"""Token statistics of a training step (spec §8), written once: mismatch between µ and π, masked shares, the µ
+bucket of masked tokens, importance-ratio statistics and per-group (per-staleness) sums.
+
+The trainer (`dppo.train.trainer`), the TRL adapter (`dppo.integrations.trl`) and `dppo diagnose` all read their
+per-token statistics from here, so that a metric means the same thing wherever it is logged. Every function is
+pure: tensors in, detached tensors out (no `.item()`, no logging, no collectives), computed under no_grad in at
+least float32.
+
+Aggregation over micro-batches (and ranks) must be exact, so every result is one of three kinds:
+- a **mean with its weight**: a key of `WEIGHTS` (e.g. "masked_frac_pos") is a mean over the tokens counted by
+  its weight key ("n_pos"); a mean over zero tokens is 0. `to_sums` turns means into sums, `from_sums` back;
+  `merge` combines several micro-batches' dicts exactly (sum of mean·weight / sum of weights);
+- a **count or sum** ("n_tokens", the histogram of `masked_mu_histogram`, the sums of `per_group_sums`): add them;
+- a **maximum** (a key of `MAXIMA`, e.g. "ratio_max"): take the maximum (0 over zero tokens).
+
+Shapes: B sequences, T response tokens, K+1 cells (µ's top-K, then the sampled token when it is not among them;
+`dppo.rollout.base`). `response_mask` [B, T] bool, True = the token counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
+
+__all__ = ["MAXIMA", "MU_BUCKETS", "WEIGHTS", "from_sums", "masked_mu_histogram", "masked_mu_shares", "masked_shares",
+           "merge", "mismatch_stats", "per_group_sums", "ratio_stats", "to_sums", "token_mean", "token_mismatch"]
+
+MU_BUCKETS: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 0.5)
+"""Inner edges of the µ(a_t) buckets of masked tokens: [0, 1e-3], (1e-3, 1e-2], (1e-2, 0.1], (0.1, 0.5], (0.5, 1]."""
+
+WEIGHTS: dict[str, str] = {
+    "binary_tv_mean": "n_tokens", "binary_kl_mean": "n_tokens", "log_ratio_gt_log2_frac": "n_tokens",
+    "topk_tv_mean": "n_tokens", "topk_kl_mean": "n_tokens",
+    "masked_frac": "n_tokens", "masked_frac_pos": "n_pos", "masked_frac_neg": "n_neg",
+    "ratio_mean": "n_tokens", "ratio_above_cap_frac": "n_tokens", "abs_log_ratio_mean": "n_tokens",
+}
+"""Mean key -> the count key that weights it when micro-batches are combined."""
+
+MAXIMA: tuple[str, ...] = ("ratio_max", "abs_log_ratio_max")
+"""Keys combined by maximum."""
+
+_MISMATCH_MEANS = {"binary_tv": "binary_tv_mean", "binary_kl": "binary_kl_mean",
+                   "log_ratio_gt_log2": "log_ratio_gt_log2_frac", "topk_tv": "topk_tv_mean", "topk_kl": "topk_kl_mean"}
+MAX_LOG_RATIO = 20.0  # log π − log µ is clamped at this before exp (as in dppo.losses)
+
+
+def _acc(x: Tensor) -> Tensor:
+    """x detached, in at least float32."""
+    return x.detach().to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _on(x: Tensor, response_mask: Tensor) -> Tensor:
+    """x at the response tokens, 0 elsewhere (so NaN/inf padding reaches no sum)."""
+    return torch.where(response_mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _mean(x: Tensor, response_mask: Tensor, n: Tensor) -> Tensor:
+    return _on(x, response_mask).sum() / n.clamp(min=1)
+
+
+@torch.no_grad()
+def token_mismatch(logp: Tensor, rollout_logp: Tensor, *, logp_cells: Tensor | None = None,
+                   rollout_cells: Tensor | None = None, cells_valid: Tensor | None = None) -> dict[str, Tensor]:
+    """Per-token mismatch estimates between µ and π (spec §2), each shaped like `logp` (float32 or wider).
+
+    logp, rollout_logp: log π and log µ of the sampled tokens, any shape [...]. logp_cells, rollout_cells,
+    cells_valid: π's and µ's log-probs at µ's K+1 cells and which slots are used, [..., K+1] (give the two
+    log-prob tensors together; cells_valid None = all used). Returns "binary_tv" |µ − π|, "binary_kl" KL(µ‖π)
+    over {a_t, rest}, "log_ratio_gt_log2" 1.0 where |log π − log µ| > log 2 else 0.0, and with the cells "topk_tv",
+    "topk_kl" (`dppo.divergence`). Values at padding are whatever the inputs give there: mask them.
+    """
+    if (logp_cells is None) != (rollout_cells is None):
+        raise ValueError("logp_cells: give logp_cells and rollout_cells together (or neither)")
+    p, m = _acc(logp), _acc(rollout_logp)
+    out = {"binary_tv": binary_tv(p, m), "binary_kl": binary_kl(p, m),
+           "log_ratio_gt_log2": ((p - m).abs() > math.log(2)).to(p.dtype)}
+    if logp_cells is not None:
+        out["topk_tv"] = topk_tv(_acc(logp_cells), _acc(rollout_cells), cells_valid)
+        out["topk_kl"] = topk_kl(_acc(logp_cells), _acc(rollout_cells), cells_valid)
+    return out
+
+
+@torch.no_grad()
+def mismatch_stats(logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, *, logp_cells: Tensor | None = None,
+                   rollout_cells: Tensor | None = None, cells_valid: Tensor | None = None) -> dict[str, Tensor]:
+    """Means over the response tokens of `token_mismatch` (inputs as there, [B, T] and [B, T, K+1]).
+
+    Returns scalars "binary_tv_mean", "binary_kl_mean", "log_ratio_gt_log2_frac" and with the cells "topk_tv_mean",
+    "topk_kl_mean" (the trainer logs them as "mismatch/<key>"), each weighted by "n_tokens", the number of response
+    tokens (all 0 when there are none).
+    """
+    n = response_mask.float().sum()
+    per_token = token_mismatch(logp, rollout_logp, logp_cells=logp_cells, rollout_cells=rollout_cells,
+                               cells_valid=cells_valid)
+    return {**{_MISMATCH_MEANS[k]: _mean(v, response_mask, n) for k, v in per_token.items()}, "n_tokens": n}
+
+
+@torch.no_grad()
+def token_mean(values: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean of `values` over the response tokens, their count): e.g. the policy entropy. Mean 0 over no token."""
+    n = response_mask.float().sum()
+    return _mean(_acc(values), response_mask, n), n
+
+
+@torch.no_grad()
+def masked_shares(keep: Tensor, adv: Tensor, response_mask: Tensor) -> dict[str, Tensor]:
+    """Share of response tokens the trust region masked (keep False), overall and for Â > 0 / Â < 0.
+
+    keep, response_mask: [B, T] bool; adv: [B, T] or [B] (one advantage per sequence). Returns scalars
+    "masked_frac" (weight "n_tokens"), "masked_frac_pos" (weight "n_pos", the tokens with Â > 0), "masked_frac_neg"
+    (weight "n_neg", Â < 0) and the three counts. Tokens with Â = 0 count only in the overall share.
+    """
+    adv = adv.detach()
+    adv = adv[:, None].expand(response_mask.shape) if adv.dim() == 1 else adv
+    dropped = _on(~keep, response_mask)
+    pos, neg = _on(adv > 0, response_mask), _on(adv < 0, response_mask)
+    n, n_pos, n_neg = response_mask.float().sum(), pos.float().sum(), neg.float().sum()
+    return {
+        "masked_frac": dropped.float().sum() / n.clamp(min=1),
+        "masked_frac_pos": (dropped & pos).float().sum() / n_pos.clamp(min=1),
+        "masked_frac_neg": (dropped & neg).float().sum() / n_neg.clamp(min=1),
+        "n_tokens": n, "n_pos": n_pos, "n_neg": n_neg,
+    }
+
+
+@torch.no_grad()
+def ratio_stats(logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, *, is_cap: float) -> dict[str, Tensor]:
+    """Importance ratio r = exp(min(log π − log µ, 20)) over the response tokens ([B, T] inputs).
+
+    Returns "ratio_mean", "ratio_above_cap_frac" (share with r > is_cap), "abs_log_ratio_mean" (|log π − log µ|,
+    the clamped log-ratio), each weighted by "n_tokens", and the maxima "ratio_max", "abs_log_ratio_max" (0 when
+    there is no response token).
+    """
+    n = response_mask.float().sum()
+    log_ratio = (_acc(logp) - _acc(rollout_logp)).clamp(max=MAX_LOG_RATIO)
+    ratio, abs_log = _on(log_ratio.exp(), response_mask), _on(log_ratio.abs(), response_mask)
+    peak = lambda x: x.max() if x.numel() else x.new_zeros(())  # noqa: E731
+    above = _mean((ratio > is_cap).to(ratio.dtype), response_mask, n)
+    return {"ratio_mean": ratio.sum() / n.clamp(min=1), "ratio_above_cap_frac": above,
+            "abs_log_ratio_mean": abs_log.sum() / n.clamp(min=1), "ratio_max": peak(ratio),
+            "abs_log_ratio_max": peak(abs_log), "n_tokens": n}
+
+
+@torch.no_grad()
+def masked_mu_histogram(keep: Tensor, rollout_logp: Tensor, response_mask: Tensor,
+                        edges: Sequence[float] = MU_BUCKETS) -> Tensor:
+    """Counts [len(edges) + 1] (float32) of masked response tokens (keep False) per µ(a_t) bucket: bucket i holds
+    edges[i−1] < µ ≤ edges[i] (edges increasing, inside (0, 1); bucket 0 from 0, the last up to 1). Add them over
+    micro-batches; `masked_mu_shares` turns the total into shares."""
+    mu = _acc(rollout_logp).exp()
+    bucket = torch.bucketize(mu, torch.tensor(edges, dtype=mu.dtype, device=mu.device))
+    return torch.bincount(bucket[(~keep) & response_mask], minlength=len(edges) + 1).float()
+
+
+def masked_mu_shares(counts: Tensor, edges: Sequence[float] = MU_BUCKETS) -> dict[str, Tensor]:
+    """The histogram of `masked_mu_histogram` as shares of the masked tokens, keyed "masked_mu_<lo>-<hi>" (e.g.
+    "masked_mu_0-0.001", ..., "masked_mu_0.5-1"; all 0 when nothing was masked). The trainer logs them under
+    "trust_region/"."""
+    bounds = (0.0, *edges, 1.0)
+    shares = counts / counts.sum().clamp(min=1)
+    return {f"masked_mu_{bounds[i]:g}-{bounds[i + 1]:g}": shares[i] for i in range(len(bounds) - 1)}
+
+
+@torch.no_grad()
+def per_group_sums(values: Tensor, response_mask: Tensor, group_index: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
+    """Per-group sums of `values` over the response tokens, and the groups' response-token counts ([n_groups]
+    each, float32 or wider): e.g. the Binary TV or the masked tokens of the responses of staleness 0..k.
+
+    values: [B, T] (bool or float); response_mask: [B, T]; group_index: [B] integer group of each sequence, a
+    value outside 0..n_groups−1 counts in no group. Sums and counts add over micro-batches; a group's mean is
+    sums / counts.clamp(min=1).
+    """
+    values = _acc(values.float() if values.dtype == torch.bool else values)
+    onehot = (group_index[:, None] == torch.arange(n_groups, device=group_index.device)[None, :]).to(values.dtype)
+    return _on(values, response_mask).sum(-1) @ onehot, response_mask.to(values.dtype).sum(-1) @ onehot
+
+
+def to_sums(stats: Mapping[str, Tensor], weights: Mapping[str, str] = WEIGHTS) -> dict[str, Tensor]:
+    """Each mean of `stats` (a key of `weights`) times its weight; counts and maxima unchanged."""
+    return {k: v * stats[weights[k]] if k in weights else v for k, v in stats.items()}
+
+
+def from_sums(sums: Mapping[str, Tensor], weights: Mapping[str, str] = WEIGHTS) -> dict[str, Tensor]:
+    """The inverse of `to_sums`: each sum divided by its (token-count) weight, 0 where the weight is 0."""
+    return {k: v / sums[weights[k]].clamp(min=1) if k in weights else v for k, v in sums.items()}
+
+
+def merge(parts: Sequence[Mapping[str, Tensor]], weights: Mapping[str, str] = WEIGHTS) -> dict[str, Tensor]:
+    """The dicts of several micro-batches (same keys) combined as if computed on their union: means weighted by
+    their counts, counts and sums added, `MAXIMA` maxed."""
+    sums = [to_sums(p, weights) for p in parts]
+    total = {k: (torch.stack([s[k] for s in sums]).amax(0) if k in MAXIMA else sum(s[k] for s in sums))
+             for k in sums[0]}
+    return from_sums(total, weights)
