@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import os
 import random
 import signal
@@ -32,7 +31,8 @@ from torch import Tensor
 from dppo.advantages import compute_advantages
 from dppo.train.checkpoint import load_latest, load_optimizer, save_training_checkpoint, set_rng_state
 from dppo.train.config import Config
-from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
+from dppo import metrics
+from dppo.divergence import binary_tv, topk_kl, topk_tv
 from dppo.runtime.faults import fault_point
 from dppo.train.logger import RunLogger
 from dppo.rewards.runner import NonFiniteRewardError
@@ -48,7 +48,6 @@ from dppo.trust_region import TRUST_REGIONS
 from dppo.train.distributed import init_from_env, local_tensor
 
 SKIP_WARN_EVERY = 10  # a skipped optimiser step is announced when a streak starts and then every 10th skip
-MU_BUCKETS = (1e-3, 1e-2, 1e-1, 0.5)  # edges of the µ(a_t) buckets for "where are masked tokens"
 
 
 class PromptSampler:
@@ -370,10 +369,10 @@ class Trainer:
         stats = dict(stats)
         if "keep" in stats:
             keep = stats.pop("keep")
-            stats["masked_mu_hist"] = _masked_mu_histogram(keep, rollout_logp, mask)
+            stats["masked_mu_hist"] = metrics.masked_mu_histogram(keep, rollout_logp, mask)
             if "staleness" in batch.extras:  # masked tokens per staleness
-                masked, n = _per_staleness(~keep & mask, mask, batch.extras["staleness"][micro], self.source.max_staleness)
-                stats["masked_by_staleness"], stats["n_by_staleness"] = masked, n
+                stats["masked_by_staleness"], stats["n_by_staleness"] = metrics.per_group_sums(
+                    ~keep, mask, batch.extras["staleness"][micro], self.source.max_staleness + 1)
         return loss, stats
 
     def _optimizer_step(self, loss_finite: Tensor) -> Tensor:
@@ -547,7 +546,7 @@ class _Accumulator:
         self.ratio_max = torch.zeros((), device=device)
         self.grad_norms: list[Tensor] = []
         self.nonfinite_losses = torch.zeros((), device=device)
-        self.hist = torch.zeros(len(MU_BUCKETS) + 1, device=device)
+        self.hist = torch.zeros(len(metrics.MU_BUCKETS) + 1, device=device)
 
     def _add(self, key: str, value: Tensor, weight: Tensor) -> None:
         self.sums[key] = self.sums.get(key, 0) + value.detach().float() * weight
@@ -574,22 +573,20 @@ class _Accumulator:
                 self._add(f"trust_region/masked_frac_stale_{j}", frac[j], n[j])
 
     def add_mismatch(self, batch: RolloutBatch, micro: Tensor, scores) -> None:
-        mask = batch.response_mask[micro]
-        n = mask.float().sum()
-        logp, mu = scores.logp.detach(), batch.rollout_logp[micro]
-        sel = lambda x: torch.where(mask, x, torch.zeros_like(x)).sum() / n.clamp(min=1)  # noqa: E731
-        tv = torch.where(mask, binary_tv(logp, mu), torch.zeros_like(logp))
-        self._add("mismatch/binary_tv_mean", tv.sum() / n.clamp(min=1), n)
-        self._add("mismatch/binary_kl_mean", sel(binary_kl(logp, mu)), n)
-        self._add("mismatch/log_ratio_gt_log2_frac", sel(((logp - mu).abs() > math.log(2)).float()), n)
-        if scores.topk_logp is not None and batch.rollout_topk_logp is not None:
-            valid = batch.rollout_topk_valid[micro]
-            self._add("mismatch/topk_tv_mean", sel(topk_tv(scores.topk_logp, batch.rollout_topk_logp[micro], valid)), n)
-            self._add("mismatch/topk_kl_mean", sel(topk_kl(scores.topk_logp, batch.rollout_topk_logp[micro], valid)), n)
+        mask, logp, mu = batch.response_mask[micro], scores.logp.detach(), batch.rollout_logp[micro]
+        cells = scores.topk_logp is not None and batch.rollout_topk_logp is not None
+        stats = metrics.mismatch_stats(
+            logp, mu, mask, logp_cells=scores.topk_logp if cells else None,
+            rollout_cells=batch.rollout_topk_logp[micro] if cells else None,
+            cells_valid=batch.rollout_topk_valid[micro] if cells else None)
+        n = stats.pop("n_tokens")
+        for key, value in stats.items():
+            self._add(f"mismatch/{key}", value, n)
         if scores.entropy is not None:
-            self._add("policy/entropy", sel(scores.entropy), n)
-        if "staleness" in batch.extras:
-            total, count = _per_staleness(tv, mask, batch.extras["staleness"][micro], self.max_staleness)
+            self._add("policy/entropy", *metrics.token_mean(scores.entropy, mask))
+        if "staleness" in batch.extras:  # (set by `step`; absent in a batch made by hand)
+            total, count = metrics.per_group_sums(binary_tv(logp, mu), mask, batch.extras["staleness"][micro],
+                                                  self.max_staleness + 1)
             for j in range(count.shape[0]):
                 self._add(f"mismatch/binary_tv_stale_{j}", total[j] / count[j].clamp(min=1), count[j])
 
@@ -604,24 +601,8 @@ class _Accumulator:
         out["optim/grad_norm"] = norms.mean()
         out["optim/nonfinite_grad_steps"] = (~torch.isfinite(norms)).float().sum()
         out["optim/nonfinite_loss_steps"] = self.nonfinite_losses
-        total = self.hist.sum().clamp(min=1)
-        edges = (0.0, *MU_BUCKETS, 1.0)
-        for i in range(len(edges) - 1):
-            out[f"trust_region/masked_mu_{edges[i]:g}-{edges[i + 1]:g}"] = self.hist[i] / total
+        out.update({f"trust_region/{k}": v for k, v in metrics.masked_mu_shares(self.hist).items()})
         return out
-
-
-def _masked_mu_histogram(keep: Tensor, rollout_logp: Tensor, mask: Tensor) -> Tensor:
-    """Counts of masked response tokens per µ(a_t) bucket (edges MU_BUCKETS)."""
-    with torch.no_grad():
-        bucket = torch.bucketize(rollout_logp.float().exp(), torch.tensor(MU_BUCKETS, device=rollout_logp.device))
-        return torch.bincount(bucket[(~keep) & mask], minlength=len(MU_BUCKETS) + 1).float()
-
-
-def _per_staleness(values: Tensor, mask: Tensor, staleness: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Sums of `values` [b, T] over masked tokens, and token counts, of the responses of staleness 0..k ([k+1] each)."""
-    onehot = (staleness[:, None] == torch.arange(k + 1, device=staleness.device)[None, :]).float()  # [b, k+1]
-    return values.float().sum(-1) @ onehot, mask.float().sum(-1) @ onehot
 
 
 def _prompt_text(prompt) -> str:
