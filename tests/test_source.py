@@ -1,0 +1,99 @@
+"""dppo.rollout.source: every source stamps the published version that sampled each rollout, and `take` checks the
+staleness bound in one place. The engine here is a stand-in that records what it was given (the source is under
+test, not the engine); the real engines go through the same source in tests/test_trainer.py, test_fp8_lag.py and
+test_async.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dppo.rollout.base import Rollout, SamplingParams
+from dppo.rollout.source import Draw, EngineSource, RolloutSource, StalenessError, stamp
+
+
+class _Engine:
+    """Answers every prompt with one token; its answer names the weights it holds (weights["w"])."""
+
+    def __init__(self) -> None:
+        self.loaded: list[float] = []
+
+    def load_weights(self, weights) -> None:
+        self.loaded.append(float(weights["w"]))
+
+    def generate(self, prompts, params):
+        w = self.loaded[-1]
+        return [Rollout(i, torch.tensor([1]), torch.tensor([int(w)]), torch.zeros(1), "eos",
+                        weight_version=-99, token_versions=torch.full((1,), -99))
+                for i in range(len(prompts)) for _ in range(params.n)]
+
+    def close(self) -> None:
+        pass
+
+
+def _draw(step: int) -> Draw:
+    return Draw([f"example {step}"], [[1, 2]], SamplingParams(n=2, max_new_tokens=1), position=10 * (step + 1))
+
+
+def _weights(version: int) -> dict:
+    return {"w": torch.tensor(float(version))}
+
+
+@pytest.mark.parametrize("lag", [0, 1, 3])
+def test_the_engine_gets_version_v_once_v_plus_lag_is_published_and_every_rollout_names_it(lag):
+    engine = _Engine()
+    source = EngineSource(engine, _draw, weights=_weights(0), version=0, start_position=0, lag=lag)
+    assert source.max_staleness == lag
+    for step in range(8):
+        examples, rollouts = source.take(step)
+        held = max(0, step - lag)  # the newest version the engine may hold at step s
+        assert examples == [f"example {step}"] and source.trained_position == 10 * (step + 1)
+        assert {r.weight_version for r in rollouts} == {held}  # stamped with the published version ...
+        assert all(int(r.response_ids[0]) == held for r in rollouts)  # ... which is the one that sampled it
+        assert all(r.token_versions.tolist() == [held] for r in rollouts)
+        source.publish(step + 1, _weights(step + 1))
+    assert engine.loaded == [float(v) for v in range(0, 8 - lag + 1)]
+    assert source.generate([[1]], SamplingParams())[0].weight_version == 8 - lag  # evaluation: the same weights
+
+
+def test_a_lagged_source_keeps_copies_not_the_trainers_tensors():
+    engine = _Engine()
+    source = EngineSource(engine, _draw, weights=_weights(0), version=0, start_position=0, lag=1)
+    live = _weights(1)
+    source.publish(1, live)
+    live["w"].fill_(123.0)  # the trainer updates its weights in place
+    source.publish(2, _weights(2))
+    assert engine.loaded == [0.0, 1.0]
+
+
+class _Stale(RolloutSource):
+    """A source whose rollouts are sampled under fixed versions (a scheduling bug to be caught)."""
+
+    def __init__(self, versions, bound):
+        super().__init__(_draw, start_position=0)
+        self.versions, self.max_staleness = versions, bound
+
+    def _take(self, step):
+        rollouts = [Rollout(0, torch.tensor([1]), torch.tensor([1]), torch.zeros(1), "eos", weight_version=v)
+                    for v in self.versions]
+        return [], rollouts, 5
+
+
+def test_take_refuses_a_response_older_than_the_bound_or_from_the_future():
+    assert len(_Stale([3, 2], bound=1).take(3)[1]) == 2  # staleness 0 and 1: within the bound
+    with pytest.raises(StalenessError, match=r"^step 3: a response sampled under version 1 \(staleness 2\), bound 1"):
+        _Stale([3, 1], bound=1).take(3)
+    with pytest.raises(StalenessError):
+        _Stale([4], bound=1).take(3)  # a version not yet published at step 3
+    source = _Stale([0], bound=0)
+    with pytest.raises(StalenessError):
+        source.take(1)
+    assert source.trained_position == 0  # a refused batch does not move the checkpointed position
+
+
+def test_stamp_keeps_per_token_versions_recorded_during_in_flight_updates():
+    r = Rollout(0, torch.tensor([1]), torch.tensor([1, 2]), torch.zeros(2), "eos", token_versions=torch.tensor([4, 5]))
+    stamp([r], 4, in_flight=True)
+    assert r.weight_version == 4 and r.token_versions.tolist() == [4, 5]
+    stamp([r], 6)
+    assert r.token_versions.tolist() == [6, 6]
