@@ -1,0 +1,135 @@
+"""`DPPOConfig`: TRL's `GRPOConfig` plus DPPO's trust-region fields, with the checks of dppo's own `loss` config
+section (so both accept and refuse the same values), and the map from TRL's `loss_type` to dppo's aggregation modes.
+
+Everything that can be refused before a model loads is refused here, at construction, as a ValueError naming the
+field; `check_server_logprobs` is the one check that needs a running vLLM server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig
+
+from dppo.train.config import ConfigError, LossConfig
+from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk, region_params
+
+__all__ = ["DPPOConfig", "LOSS_TYPE_AGGREGATION", "check_server_logprobs"]
+
+LOSS_TYPE_AGGREGATION = {
+    "dapo": "token-mean",  # denominator: active tokens of the whole generation batch, all processes (TRL's default)
+    "bnpo": "token-mean",  # denominator: active tokens of the micro-batch
+    "grpo": "seq-mean-token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",  # each sequence's sum / max_completion_length: the paper's (dppo's default)
+}
+"""TRL `loss_type` -> dppo aggregation mode. The seq-mean modes leave sequences with no active token out of the
+count (spec §6), where TRL counts every row; the two differ only with `mask_truncated_completions`."""
+
+_LOSS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossConfig)}
+_REGION_FIELDS = tuple(name for name in all_params() if name not in ("eps_low", "eps_high"))
+"""Trust-region parameters that become DPPOConfig fields; the ratio-clip ε are TRL's `epsilon`/`epsilon_high`."""
+_EPS_FIELDS = {"eps_low": "epsilon", "eps_high": "epsilon_high"}
+_UNSUPPORTED = {  # GRPOConfig field -> (the value DPPO needs, why)
+    "vllm_importance_sampling_correction": (False, "DPPO's importance weight π/µ already corrects for the engine "
+                                                   "mismatch; TRL's would multiply a second ratio into the loss"),
+    "importance_sampling_level": ("token", "the trust region and the importance weight are per token"),
+    "off_policy_mask_threshold": (None, "a second, sequence-level mask; the trust region is the mask"),
+    "delta": (None, "TRL's two-sided ratio cap; DPPO caps the importance weight with is_cap"),
+    "top_entropy_quantile": (1.0, "an entropy mask on top of the trust region"),
+    "entropy_coef": (0.0, "an entropy bonus is not part of the DPPO objective"),
+    "use_adaptive_entropy": (False, "an entropy bonus is not part of the DPPO objective"),
+    "use_transformers_continuous_batching": (False, "that generation path returns no sampling log-probs (µ)"),
+}
+
+
+@dataclass
+class _DPPOSettings(GRPOConfig):
+    """The DPPO fields of `DPPOConfig` (the trust regions' own parameters are added from the registry below)."""
+
+    trust_region: str = field(default=_LOSS_DEFAULTS["trust_region"], metadata={"help": (
+        "A name in dppo.trust_region.TRUST_REGIONS (dppo_binary_tv, dppo_binary_kl, dppo_topk_tv, dppo_topk_kl, "
+        "ppo_clip, ppo_clip_relax, none, cppo, pg_is_neg_mask).")})
+    is_cap: float = field(default=_LOSS_DEFAULTS["is_cap"], metadata={"help": "C in min(π/µ, C); inf = uncapped."})
+    anchor: str = field(default=_LOSS_DEFAULTS["anchor"], metadata={"help": (
+        "Mask anchor: rollout µ (default, free) or recompute (TRL's π_old; the importance weight stays π/µ).")})
+    top_k_logprobs: int | None = field(default=None, metadata={"help": (
+        f"K of µ's top-K recorded per token. None = {DEFAULT_TOP_K} when the trust region needs them (Top-K TV/KL), "
+        "else 0.")})
+    vllm_importance_sampling_correction: bool = field(default=False, metadata={"help": (
+        "Must stay False: DPPO's importance weight π/µ is the correction.")})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_dppo(self)
+
+    @property
+    def resolved_top_k_logprobs(self) -> int:
+        """K of µ's top-K the generation records: top_k_logprobs, or if None 20 for a Top-K region, else 0."""
+        if self.top_k_logprobs is not None:
+            return self.top_k_logprobs
+        return DEFAULT_TOP_K if needs_topk(self.trust_region) else 0
+
+    @property
+    def aggregation(self) -> str:
+        """dppo's aggregation mode for `loss_type` (`LOSS_TYPE_AGGREGATION`)."""
+        return LOSS_TYPE_AGGREGATION[self.loss_type]
+
+    def region_settings(self) -> dict[str, Any]:
+        """The trust region's mask parameters, defaults filled in and checked (`dppo.trust_region.region_params`)."""
+        given = {name: getattr(self, name) for name in _REGION_FIELDS}
+        given.update({eps: getattr(self, name) for eps, name in _EPS_FIELDS.items()})
+        return region_params(self.trust_region, given)
+
+
+def _region_field(name: str) -> tuple[str, Any, Any]:
+    param = all_params()[name]
+    kind = str if isinstance(param.default, str) else float
+    return name, kind | None, field(default=None, metadata={"help": param.doc + " None = the region's default."})
+
+
+DPPOConfig = dataclasses.make_dataclass(
+    "DPPOConfig", [_region_field(name) for name in _REGION_FIELDS], bases=(_DPPOSettings,),
+    namespace={"__module__": __name__, "__doc__": (
+        "`GRPOConfig` plus DPPO's trust region: trust_region, is_cap, anchor, top_k_logprobs and one field per "
+        "trust-region parameter (delta_low, delta_high, relax_alpha, relax_side, cppo_*, neg_delta; None = the "
+        "region's default), with the defaults and checks of dppo's own `loss` config. Errors are ValueErrors naming "
+        "the field, raised at construction. `loss_type` picks the aggregation (`LOSS_TYPE_AGGREGATION`).")})
+
+
+def _check_dppo(cfg) -> None:
+    """DPPOConfig's checks; ValueError naming the field."""
+    for name, (needed, why) in _UNSUPPORTED.items():
+        if getattr(cfg, name) != needed:
+            raise ValueError(f"{name}: DPPOConfig needs {needed!r} ({why}), got {getattr(cfg, name)!r}")
+    if cfg.loss_type not in LOSS_TYPE_AGGREGATION:
+        raise ValueError(f"loss_type: {cfg.loss_type!r} has no DPPO aggregation; valid: "
+                         + ", ".join(f"{k} ({v})" for k, v in LOSS_TYPE_AGGREGATION.items()))
+    region = {name: getattr(cfg, name) for name in _REGION_FIELDS}
+    try:  # the checks of dppo's own `loss` config section, so that both accept and refuse the same values
+        LossConfig(trust_region=cfg.trust_region, anchor=cfg.anchor, is_cap=cfg.is_cap, aggregation=cfg.aggregation,
+                   eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, **region)
+    except ConfigError as exc:  # "loss.eps_low: ..." -> "epsilon: ..."
+        name, _, rest = str(exc).removeprefix("loss.").partition(":")
+        raise ValueError(f"{_EPS_FIELDS.get(name, name)}:{rest}") from None
+    if cfg.top_k_logprobs is not None and not (isinstance(cfg.top_k_logprobs, int) and cfg.top_k_logprobs >= 0):
+        raise ValueError(f"top_k_logprobs: expected an int >= 0 or None, got {cfg.top_k_logprobs!r}")
+    k = cfg.resolved_top_k_logprobs
+    if needs_topk(cfg.trust_region) and k < 1:
+        raise ValueError(f"top_k_logprobs: trust region {cfg.trust_region!r} needs µ's top-K log-probs: set >= 1 "
+                         f"(or leave it None for {DEFAULT_TOP_K})")
+    if k > 0:
+        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", None)):
+            if getattr(cfg, name) not in (off, None):
+                raise ValueError(f"{name}: truncated sampling changes µ, so µ's recorded top-K cells would not be "
+                                 "those of the sampled distribution; use top_p=1.0, top_k=0, min_p=None with top-K "
+                                 f"capture (top_k_logprobs={k}), got {name}={getattr(cfg, name)!r}")
+
+
+def check_server_logprobs(server_info: dict) -> None:
+    """A vLLM server must return processed log-probs (after temperature: µ), not its default raw ones."""
+    mode = server_info.get("model_config", {}).get("logprobs_mode")
+    if mode != "processed_logprobs":
+        raise ValueError(f"vllm_mode: the vLLM server returns {mode!r} log-probs, which are not those of the sampled "
+                         "distribution µ; restart it with `--logprobs-mode processed_logprobs` (trl vllm-serve does)")

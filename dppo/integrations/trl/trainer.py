@@ -1,0 +1,317 @@
+"""`DPPOTrainer`: TRL's `GRPOTrainer` with DPPO's loss (`dppo.losses.policy_loss` on TRL's per-token tensors).
+
+It overrides three things of GRPOTrainer: the transformers generation (to record µ, `recorder`), the post-processing
+of a generation batch (µ's K+1 cells from a `rollout_func` split into ids, log-probs and valid slots), and the loss
+with its metrics (`dppo.metrics`, one all-reduce of sums and one of maxima per micro-batch).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from accelerate.utils import is_peft_model
+from torch import Tensor
+from trl import GRPOTrainer
+from trl.models import unwrap_model_for_generation
+from trl.trainer.utils import pad
+
+from dppo.divergence import topk_kl, topk_tv
+from dppo.integrations.trl.config import LOSS_TYPE_AGGREGATION, DPPOConfig, check_server_logprobs
+from dppo.integrations.trl.recorder import _cells, _recording_generation
+from dppo.integrations.trl.rollout_func import DPPORolloutFunc
+from dppo.logprobs import fused_logprobs
+from dppo.losses import aggregate, policy_loss
+from dppo.metrics import MAXIMA, WEIGHTS, from_sums, masked_shares, mismatch_stats, ratio_stats, to_sums, token_mean
+from dppo.trust_region import TRUST_REGIONS, needs_topk
+
+__all__ = ["DPPOTrainer"]
+
+_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_LOGIT_SCALING = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+_TOPK_DIVERGENCE = {"topk_tv": topk_tv, "topk_kl": topk_kl}
+_LOG_WEIGHTS = {**WEIGHTS, "entropy": "n_tokens", "kl": "n_tokens", "unscored_frac": "n_all"}
+
+
+class DPPOTrainer(GRPOTrainer):
+    """`GRPOTrainer` with DPPO's loss: `args` must be a `DPPOConfig`; every other argument is GRPOTrainer's.
+
+    µ comes from the generation backend (the `dppo.integrations.trl` docstring); the Top-K regions need µ's top-K,
+    recorded by the transformers path or returned by a `rollout_func` (`dppo_rollout_func`); TRL's own vLLM path keeps
+    only the sampled token's log-prob, so with vLLM a Top-K region needs `rollout_func=dppo_rollout_func("vllm")`.
+    """
+
+    _tag_names = ["trl", "grpo", "dppo"]
+    _name = "DPPO"
+    _paper = {"title": "Rethinking the Trust Region in LLM Reinforcement Learning", "id": "2602.04879",
+              "citation": "@article{qi2026dppo, title={Rethinking the Trust Region in LLM Reinforcement Learning}, "
+                          "author={Qi and Zhou and Liu and Pang and Du and Lin and Lee}, year=2026, "
+                          "eprint={arXiv:2602.04879}}"}
+
+    def __init__(self, model, reward_funcs=None, args=None, *positional, rollout_func=None, tools=None, **kwargs):
+        if args is None:  # as GRPOTrainer does: "<model name>-DPPO" as the output folder
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+            args = DPPOConfig(f"{str(name).rstrip('/').split('/')[-1] or 'model'}-DPPO")
+        if not isinstance(args, DPPOConfig):
+            raise ValueError(f"args: DPPOTrainer needs a DPPOConfig, got {type(args).__name__}")
+        topk = needs_topk(args.trust_region)
+        if topk and rollout_func is None and args.use_vllm:
+            raise ValueError(f"trust_region: {args.trust_region!r} needs µ's top-K log-probs, and TRL's vLLM "
+                             "generation keeps only the sampled token's; pass rollout_func=dppo_rollout_func('vllm')")
+        if topk and tools:
+            raise ValueError(f"tools: the tool-calling loop does not keep µ's top-K cells ({args.trust_region!r})")
+        super().__init__(model, reward_funcs, args, *positional, rollout_func=rollout_func, tools=tools, **kwargs)
+        self._region = args.region_settings()
+        self._topk = topk
+        self._k = args.resolved_top_k_logprobs
+        self._pending_topk_ids = self._recorded_topk_ids = None
+        if topk:
+            text_config = self.model.config.get_text_config()
+            scaled = [n for n in _LOGIT_SCALING if getattr(text_config, n, None) not in (None, 1.0)]
+            if scaled:
+                raise ValueError(f"trust_region: {args.trust_region!r} is not supported for models that scale their "
+                                 f"logits ({', '.join(scaled)}): π's top-K cells are computed without it")
+        if args.use_vllm and args.vllm_mode == "server" and self.accelerator.is_main_process:
+            check_server_logprobs(self.vllm_generation.vllm_client.get_server_info())
+        if isinstance(rollout_func, DPPORolloutFunc):
+            rollout_func.prepare(self)
+
+    # --- generation: record µ --------------------------------------------------------------------------------
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.use_vllm:  # processed (sampled-distribution) log-probs of the sampled tokens
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if images is not None or multimodal_fields:
+            raise ValueError("DPPOTrainer records µ in the transformers generation path for text-only prompts; use "
+                             "vLLM or a rollout_func for multimodal prompts")
+        device = self.accelerator.device
+        prompts = [torch.tensor(ids) for ids in prompt_ids]
+        input_ids = pad(prompts, self._tokenizer.pad_token_id, "left", self.pad_to_multiple_of).to(device)
+        attention = pad([torch.ones_like(p) for p in prompts], 0, "left", self.pad_to_multiple_of).to(device)
+        unwrapped = unwrap_model_for_generation(
+            self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+            generation_kwargs=self.generation_kwargs,
+            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
+        with unwrapped as model, torch.no_grad(), self._dist.summon_full_params(self.model_wrapped, recurse=False):
+            config, processors, recorder = _recording_generation(model, self.generation_config, self._k)
+            out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config,
+                                 logits_processor=processors)
+        completion = out[:, input_ids.size(1):]
+        logp, top = recorder.finish(completion)
+        is_eos = torch.isin(completion, torch.tensor(self.eos_token_ids, device=device))
+        lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completion.size(1)).tolist()
+        completion_ids = [row[:n].tolist() for row, n in zip(completion.cpu(), lengths)]
+        if top is None:
+            return completion_ids, [row[:n].tolist() for row, n in zip(logp.cpu(), lengths)]
+        ids, lps = _cells(completion, logp, *top)
+        self._recorded_topk_ids = [row[:n].tolist() for row, n in zip(ids.cpu(), lengths)]
+        return completion_ids, [row[:n].tolist() for row, n in zip(lps.cpu(), lengths)]
+
+    def _generate(self, prompts: list):
+        self._recorded_topk_ids = None
+        out = super()._generate(prompts)
+        extra_fields = out[5]  # µ's top-K ids travel beside the log-probs, not to the reward functions
+        ids = extra_fields.pop("logprob_token_ids", None)
+        self._pending_topk_ids = ids if ids is not None else self._recorded_topk_ids
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        self._pending_topk_ids = None
+        output = super()._generate_and_score_completions(inputs)
+        mu = output.get("sampling_per_token_logps")
+        if mu is None:
+            raise RuntimeError("the generation gave no sampling log-probs (µ); a rollout_func must return 'logprobs'")
+        if mu.dim() == 3:
+            output.update(self._split_cells(mu, output["completion_ids"], output["completion_mask"]))
+        elif self._topk:
+            raise ValueError(f"trust_region: {self.args.trust_region!r} needs µ's top-K log-probs; the rollout gave "
+                             "only the sampled tokens': a rollout_func must return per-token K+1 cells in 'logprobs' "
+                             "and 'logprob_token_ids' (see dppo_rollout_func)")
+        if self._topk and self.args.anchor == "recompute" and "old_per_token_logps" in output:
+            output["old_topk_logp"] = self._old_topk_cells(output)
+        return output
+
+    def _split_cells(self, mu: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> dict[str, Tensor]:
+        """[B, T, K+1] cells -> µ at the sampled tokens [B, T], and the cells' ids, log-probs (0 if unused), valid."""
+        if self._pending_topk_ids is None:
+            raise ValueError("logprob_token_ids: the rollout returned per-token cells in 'logprobs' without their ids")
+        if mu.shape[-1] != self._k + 1:
+            raise ValueError(f"top_k_logprobs: the rollout gave {mu.shape[-1]} cells per token, expected K+1 = "
+                             f"{self._k + 1}")
+        ids = pad([torch.tensor(x, dtype=torch.long).reshape(-1, mu.shape[-1]) for x in self._pending_topk_ids], 0,
+                  "right").to(mu.device)
+        ids = torch.nn.functional.pad(ids, (0, 0, 0, mu.shape[1] - ids.shape[1]))
+        valid = ~torch.isnan(mu)
+        match = (ids == completion_ids[..., None]) & valid
+        found = match.any(-1)
+        if (completion_mask.bool() & ~found).any():
+            raise ValueError("logprob_token_ids: a sampled token is missing from its µ cells (expected µ's top-K, "
+                             "then the sampled token when it is not among them)")
+        cells = mu.nan_to_num(0.0)
+        sampled = torch.where(found, cells.gather(-1, match.int().argmax(-1, keepdim=True))[..., 0], float("nan"))
+        return {"sampling_per_token_logps": sampled, "rollout_topk_ids": ids, "rollout_topk_logp": cells,
+                "rollout_topk_valid": valid}
+
+    # --- the loss ---------------------------------------------------------------------------------------------
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        completion_ids = inputs["completion_ids"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        T = completion_ids.size(1)
+        capture = _HiddenCapture(self._backbone(model)) if "rollout_topk_ids" in inputs else nullcontext()
+        with capture:
+            logp, entropy, aux_loss = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention, T, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled,
+                **{k: inputs.get(k) for k in _FORWARD_KEYS})
+        rollout_logp = inputs["sampling_per_token_logps"]
+        unscored = mask.bool() & torch.isnan(rollout_logp)  # vLLM could not score these: no µ, no loss term
+        mask = mask.bool() & ~unscored
+        old_logp = inputs.get("old_per_token_logps")
+        old_logp = logp.detach() if old_logp is None else old_logp
+        divergence = cells = None
+        if "rollout_topk_ids" in inputs:  # π at µ's cells: the Top-K divergence, or Top-K mismatch metrics only
+            cells = self._topk_cells(model, capture.hidden, completion_ids, inputs["rollout_topk_ids"], mask)
+        if self._topk:
+            anchor_cells = inputs["rollout_topk_logp"]
+            if self.args.anchor == "recompute":
+                anchor_cells = inputs.get("old_topk_logp", cells)
+            divergence = _TOPK_DIVERGENCE[TRUST_REGIONS[self.args.trust_region].divergence](
+                cells, anchor_cells, inputs["rollout_topk_valid"])
+        aggregation, denominator, scale = self._aggregation(inputs, mode)
+        norm = self.max_completion_length if aggregation == "seq-mean-token-sum-norm" else None
+        recompute = self.args.anchor == "recompute"
+        loss, stats = policy_loss(
+            logp, rollout_logp, inputs["advantages"], mask, trust_region=self.args.trust_region, is_cap=self.args.is_cap,
+            aggregation=aggregation, divergence=divergence, old_logp=old_logp if recompute else None,
+            anchor=self.args.anchor, max_response_len=norm, denominator=denominator, **self._region)
+        kl = None
+        if self.beta != 0.0:  # TRL's k3 estimate of KL(π‖ref), aggregated like the policy term
+            ref = inputs["ref_per_token_logps"]
+            kl = torch.exp(ref - logp) - (ref - logp) - 1
+            if self.args.use_bias_correction_kl:
+                kl = kl * torch.exp(logp - old_logp)
+            loss = loss + self.beta * aggregate(kl, mask, aggregation, max_response_len=norm, denominator=denominator)
+        loss = loss / scale
+        if self.aux_loss_enabled:
+            normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+        self._log_dppo(mode, logp, rollout_logp, inputs["advantages"], mask, unscored, stats, entropy, kl, cells, inputs)
+        return loss
+
+    def _aggregation(self, inputs, mode: str) -> tuple[str, Tensor | None, float]:
+        """(dppo aggregation mode, its denominator or None for the micro-batch's own count, divisor of the loss),
+        reproducing the normalisers of TRL's `loss_type`."""
+        aggregation = LOSS_TYPE_AGGREGATION[self.loss_type]
+        if self.loss_type == "dapo":  # the generation batch's tokens, rescaled to one accumulation window per process
+            denominator = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                denominator = denominator * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            return aggregation, denominator, 1.0
+        return aggregation, None, float(self.current_gradient_accumulation_steps) if mode == "train" else 1.0
+
+    def _backbone(self, model):
+        """(the decoder stack whose output feeds the lm-head, the lm-head) of the policy."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        if is_peft_model(unwrapped):
+            unwrapped = unwrapped.get_base_model()
+        return unwrapped.base_model, unwrapped.get_output_embeddings()
+
+    @torch.no_grad()
+    def _topk_cells(self, model, hidden: Tensor, completion_ids: Tensor, topk_ids: Tensor, mask: Tensor) -> Tensor:
+        """π's log-probs [B, T, K+1] (detached, 0 off `mask`) at µ's cells, from the captured last hidden states: one
+        extra lm-head pass over the response tokens (`dppo.logprobs.fused_logprobs`, no [N, V] tensor)."""
+        _, head = self._backbone(model)
+        T = completion_ids.size(1)
+        h = hidden[:, -T - 1:-1][mask].to(head.weight.dtype)
+        bias = None if head.bias is None else head.bias.detach()
+        out = fused_logprobs(h, head.weight.detach(), completion_ids[mask], bias=bias, topk_ids=topk_ids[mask],
+                             temperature=self.temperature)
+        cells = torch.zeros(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
+        cells[mask] = out.topk_logp.float()
+        return cells
+
+    @torch.no_grad()
+    def _old_topk_cells(self, output: dict) -> Tensor:
+        """π_old's cells for anchor="recompute" when TRL recomputed π_old (one more no-grad forward of the batch)."""
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+        attention = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
+        mask, T = output["completion_mask"].bool(), output["completion_ids"].size(1)
+        step = self.args.per_device_train_batch_size if self.model.training else self.args.per_device_eval_batch_size
+        cells = []
+        for s in range(0, ids.size(0), step):
+            with _HiddenCapture(self._backbone(self.model)) as capture:
+                self._get_per_token_logps_and_entropies(self.model, ids[s:s + step], attention[s:s + step], T)
+            cells.append(self._topk_cells(self.model, capture.hidden, output["completion_ids"][s:s + step],
+                                          output["rollout_topk_ids"][s:s + step], mask[s:s + step]))
+        return torch.cat(cells)
+
+    @torch.no_grad()
+    def _log_dppo(self, mode, logp, rollout_logp, adv, mask, unscored, stats, entropy, kl, cells, inputs) -> None:
+        """TRL's and dppo's metrics of one micro-batch (listed in the package docstring and docs/integrations.md; the
+        statistics are `dppo.metrics`'): one all-reduce of sums, one of maxima."""
+        m = rollout_logp.nan_to_num(0.0)  # unscored tokens (NaN µ) are outside `mask`: they count nowhere
+        topk = {} if cells is None else {"logp_cells": cells, "rollout_cells": inputs["rollout_topk_logp"],
+                                         "cells_valid": inputs["rollout_topk_valid"]}
+        local = {**mismatch_stats(logp, m, mask, **topk), **masked_shares(stats["keep"], adv, mask),
+                 **ratio_stats(logp, m, mask, is_cap=self.args.is_cap)}
+        local["entropy"], _ = token_mean(entropy, mask)
+        local["unscored_frac"], local["n_all"] = token_mean(unscored, unscored | mask)
+        if kl is not None:
+            local["kl"], _ = token_mean(kl, mask)
+        sums = to_sums(local, _LOG_WEIGHTS)
+        names = [k for k in sums if k not in MAXIMA]
+        total = self.accelerator.reduce(torch.stack([sums[k] for k in names]), reduction="sum")
+        peak = self.accelerator.reduce(torch.stack([sums[k] for k in MAXIMA]), reduction="max")
+        reduced = {**dict(zip(names, total)), **dict(zip(MAXIMA, peak))}
+        means = from_sums(reduced, _LOG_WEIGHTS)
+        n = reduced["n_tokens"].clamp(min=1)
+        means["masked_pos_share"] = reduced["masked_frac_pos"] / n  # masked with Â>0, as a share of all tokens
+        means["masked_neg_share"] = reduced["masked_frac_neg"] / n
+        v = dict(zip(means, torch.stack(list(means.values())).tolist()))
+        metrics = {
+            "clip_ratio/region_mean": v["masked_frac"], "clip_ratio/high_mean": v["masked_pos_share"],
+            "clip_ratio/low_mean": v["masked_neg_share"], "dppo/masked_frac": v["masked_frac"],
+            "dppo/masked_frac_pos": v["masked_frac_pos"], "dppo/masked_frac_neg": v["masked_frac_neg"],
+            "dppo/ratio_mean": v["ratio_mean"], "dppo/ratio_max": v["ratio_max"],
+            "dppo/ratio_above_cap_frac": v["ratio_above_cap_frac"],
+            "sampling/sampling_logp_difference/mean": v["abs_log_ratio_mean"],
+            "sampling/sampling_logp_difference/max": v["abs_log_ratio_max"], "dppo/mismatch/tv_mean": v["binary_tv_mean"],
+            "dppo/mismatch/kl_mean": v["binary_kl_mean"],
+            "dppo/mismatch/log_ratio_gt_log2_frac": v["log_ratio_gt_log2_frac"],
+            "dppo/unscored_frac": v["unscored_frac"], "entropy": v["entropy"]}
+        if "kl" in v:
+            metrics["kl"] = v["kl"]
+        if "topk_tv_mean" in v:
+            metrics["dppo/mismatch/topk_tv_mean"] = v["topk_tv_mean"]
+            metrics["dppo/mismatch/topk_kl_mean"] = v["topk_kl_mean"]
+        for name, value in metrics.items():
+            self._metrics[mode][name].append(value)
+
+
+class _HiddenCapture:
+    """Keeps the last hidden states [B, L, H] that a decoder stack hands to the lm-head during the body (no copy)."""
+
+    def __init__(self, backbone_and_head) -> None:
+        self.module = backbone_and_head[0]
+        self.parts: list[Tensor] = []
+
+    def __enter__(self) -> _HiddenCapture:
+        self.handle = self.module.register_forward_hook(self._hook)
+        return self
+
+    def _hook(self, module, args, output) -> None:
+        self.parts.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    @property
+    def hidden(self) -> Tensor:
+        if not self.parts:
+            raise RuntimeError("the policy's forward did not run its decoder stack (no hidden states captured)")
+        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
