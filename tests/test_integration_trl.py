@@ -334,8 +334,11 @@ def test_loss_and_gradient_equal_policy_loss(make_trainer, region):
                                                                    / stats["n_tokens"]).item(), rel=1e-5)
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-7)
     assert want.keys() == got.keys() and len(got) > 5
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for name in want:  # absolute tolerance on the tensor's own scale: an element near 0 of a gradient with entries
+        # ~0.01 differs by ~1e-6 between the two roundings (seen on an AVX2-only CPU), far below any real bug's size
+        scale = float(want[name].abs().max())
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=max(1e-6, 2e-4 * scale),
+                                   msg=lambda m: f"{name} (max |grad| {scale:.3g}): {m}")
 
 
 @needs_trl
