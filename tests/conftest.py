@@ -3,6 +3,9 @@
 Nothing here reads or downloads weights. Models are session-scoped and must not be modified by tests
 (engines copy them; tests that change weights build their own with `make_tiny_model`).
 
+`smoke_config(run_dir, **sections)` is the one "smoke preset writing to a run directory" config every trainer test
+starts from (`from conftest import smoke_config`; tests/ is on sys.path under pytest).
+
 Tests run torch on one thread (override with DPPO_TEST_THREADS): the models are tiny, and on a shared
 2-core machine OpenMP synchronisation across 2 threads made small matmuls 10-50x slower than on one.
 """
@@ -19,6 +22,8 @@ from hypothesis import settings
 from torch import nn
 
 from dppo.runtime.models import char_tokenizer, tiny_random_model
+from dppo.train.config import Config, replace
+from dppo.train.presets import get_preset
 
 torch.set_num_threads(int(os.environ.get("DPPO_TEST_THREADS", "1")))
 
@@ -35,6 +40,17 @@ VLLM_MARKS = [
                        reason="vllm is not installed (scripts/ensure-venv.sh installs it; DPPO_SKIP_VLLM=1 skips)"),
 ]
 """The marks of a module that needs vLLM (`pytestmark = VLLM_MARKS`)."""
+
+def smoke_config(run_dir, **sections) -> Config:
+    """The smoke preset (tiny random model, addition task) writing to `run_dir`, quiet — no TensorBoard, no progress
+    bar, no evaluation before training — with each of `sections` merged over it field by field:
+    `smoke_config(tmp_path, train={"steps": 2}, rollout={"engine": "hf"})`."""
+    merged = {"train": {"eval_before": False},
+              "log": {"run_dir": str(run_dir), "tensorboard": False, "progress": False}}
+    for name, values in sections.items():
+        merged[name] = {**merged.get(name, {}), **values}
+    return replace(get_preset("smoke"), **merged)
+
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, initializer_range=0.2)
 """The test model: ~80k parameters; initializer_range 0.2 makes next-token distributions peaked enough

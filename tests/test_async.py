@@ -23,18 +23,17 @@ import torch
 
 from dppo.rollout.remote import WorkerError
 from dppo.train.config import ConfigError, replace
-from dppo.train.presets import get_preset
 from dppo.train.scoring import score_responses_reference
 from dppo.train.trainer import Trainer
+from conftest import smoke_config
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _cfg(tmp_path, *, mode="async", steps=4, **rollout):
     extra = {"max_staleness": 1, "worker_threads": 1, "worker_timeout_s": 60.0} if mode == "async" else {}
-    return replace(get_preset("smoke"), rollout={"engine": "hf", "dtype": "float32", "mode": mode, **extra, **rollout},
-                   train={"threads": 1, "steps": steps, "eval_before": False},
-                   log={"run_dir": str(tmp_path), "tensorboard": False, "progress": False})
+    return smoke_config(tmp_path, rollout={"engine": "hf", "dtype": "float32", "mode": mode, **extra, **rollout},
+                        train={"threads": 1, "steps": steps})
 
 
 def _weights(model) -> torch.Tensor:

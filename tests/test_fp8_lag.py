@@ -15,6 +15,7 @@ from dppo.train.batch import collate
 from dppo.train.config import ConfigError, replace
 from dppo.train.presets import get_preset
 from dppo.train.scoring import score_responses_reference
+from conftest import smoke_config
 
 E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 E4M3 = E4M3[torch.isfinite(E4M3)].unique()  # every finite e4m3 value, sorted
@@ -97,8 +98,7 @@ def test_config_checks():
 def _trainer(tmp_path, **rollout):
     from dppo.train.trainer import Trainer
 
-    cfg = replace(get_preset("smoke"), rollout=rollout, train={"eval_before": False},
-                  log={"run_dir": str(tmp_path), "tensorboard": False})
+    cfg = smoke_config(tmp_path, rollout=rollout)
     return Trainer(cfg, tmp_path)
 
 

@@ -20,14 +20,14 @@ from dppo.cli import main
 from dppo.train.config import ConfigError, replace
 from dppo.train.presets import get_preset
 from dppo.train.trainer import Trainer
+from conftest import smoke_config
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _cfg(run_dir, **train):
     """The smoke preset with one optimiser step per training step unless `train` says otherwise."""
-    return replace(get_preset("smoke"), train={"steps": 3, "eval_before": False, "mini_batches": 1, **train},
-                   log={"run_dir": str(run_dir), "tensorboard": False, "progress": False})
+    return smoke_config(run_dir, train={"steps": 3, "mini_batches": 1, **train})
 
 
 def _weights(trainer):
@@ -255,16 +255,12 @@ def nan_once(completion, example):
 
 
 def test_nan_reward_skips_the_update_names_the_task_and_counts(tmp_path, monkeypatch, capsys):
-    from dppo.train.config import replace
-    from dppo.train.presets import get_preset
     from dppo.train.trainer import Trainer
 
     path = tmp_path / "nan_reward.py"
     path.write_text(NAN_REWARD)
     monkeypatch.setenv("DPPO_TEST_NAN_FLAG", str(tmp_path / "flag"))
-    cfg = replace(get_preset("smoke"), task={"reward": f"{path}:nan_once"},
-                  train={"steps": 2, "eval_before": False, "mini_batches": 1},
-                  log={"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress": False})
+    cfg = smoke_config(tmp_path / "run", task={"reward": f"{path}:nan_once"}, train={"steps": 2, "mini_batches": 1})
     trainer = Trainer(cfg, tmp_path / "run")
     try:
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

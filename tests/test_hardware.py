@@ -10,6 +10,7 @@ from dppo.runtime import hardware
 from dppo.train.config import Config, ConfigError, replace
 from dppo.train.presets import get_preset
 from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params
+from conftest import smoke_config
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})  # e.g. the AMD EPYC of machine-facts, most laptops
@@ -60,8 +61,7 @@ def test_this_machine_is_described():
 def test_the_trainer_announces_its_choice(tmp_path, capsys):
     from dppo.train.trainer import Trainer
 
-    cfg = replace(get_preset("smoke"), model={"device": "cpu"}, rollout={"engine": "hf", "dtype": "auto"},
-                  log={"run_dir": str(tmp_path), "tensorboard": False})
+    cfg = smoke_config(tmp_path, model={"device": "cpu"}, rollout={"engine": "hf", "dtype": "auto"})
     trainer = Trainer(cfg, tmp_path)
     engine_dtype = next(trainer.engine.model.parameters()).dtype
     trainer.close()
@@ -110,8 +110,7 @@ def test_top_k_defaults_to_20_only_where_a_trust_region_needs_it():
 def test_hf_max_batch_rows_reaches_the_engine(tmp_path):
     from dppo.train.trainer import Trainer
 
-    cfg = replace(get_preset("smoke"), rollout={"hf_max_batch_rows": 4},
-                  log={"run_dir": str(tmp_path), "tensorboard": False})
+    cfg = smoke_config(tmp_path, rollout={"hf_max_batch_rows": 4})
     trainer = Trainer(cfg, tmp_path)
     assert trainer.engine.max_batch_rows == 4
     trainer.close()

@@ -34,12 +34,12 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from dppo.train.config import ConfigError, replace
+from dppo.train.config import ConfigError
 from dppo.divergence import topk_kl, topk_tv
 from dppo.losses import LOSSES
-from dppo.train.presets import get_preset
 from dppo.train.scoring import score_responses_reference
 from dppo.trust_region import TRUST_REGIONS
+from conftest import smoke_config
 
 OPTIONS = {
     "layout": ("auto", "packed", "shared"),
@@ -83,13 +83,12 @@ def _config(cell: dict, run_dir):
     region = cell["loss"] if cell["loss"] != "drpo" else "dppo_binary_tv"
     loss = {"loss": "drpo" if cell["loss"] == "drpo" else "masked_is", "trust_region": region, "anchor": cell["anchor"],
             **{k: v for k, v in SET.items() if k in TRUST_REGIONS[region].params}}
-    return replace(get_preset("smoke"),
-                   model={"gradient_checkpointing": cell["ckpt"], "autocast_bf16": cell["autocast"], "lora_rank": cell["lora"]},
-                   rollout={"prompts_per_step": P, "group_size": G, "max_new_tokens": 6, "top_k_logprobs": K,
-                            "temperature": 0.25},  # peaked distributions: large divergences where µ is moved
-                   loss=loss, optim={"grad_clip": 0.0},
-                   train={"mini_batches": 1, "micro_batch_size": cell["micro"], "scoring_layout": cell["layout"]},
-                   log={"run_dir": str(run_dir), "tensorboard": False, "progress": False})
+    return smoke_config(
+        run_dir, model={"gradient_checkpointing": cell["ckpt"], "autocast_bf16": cell["autocast"], "lora_rank": cell["lora"]},
+        rollout={"prompts_per_step": P, "group_size": G, "max_new_tokens": 6, "top_k_logprobs": K,
+                 "temperature": 0.25},  # peaked distributions: large divergences where µ is moved
+        loss=loss, optim={"grad_clip": 0.0},
+        train={"mini_batches": 1, "micro_batch_size": cell["micro"], "scoring_layout": cell["layout"]})
 
 
 def _refusal(cell: dict) -> str | None:

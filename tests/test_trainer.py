@@ -13,6 +13,7 @@ from dppo.runtime.models import char_tokenizer, tiny_random_model
 from dppo.train.presets import get_preset
 from dppo.train.trainer import Trainer
 from dppo.trust_region import TRUST_REGIONS
+from conftest import smoke_config
 
 REWARD_SRC = '''
 def digit_fraction(completion, example):
@@ -29,9 +30,7 @@ def reward_file(tmp_path_factory):
 
 
 def _smoke(tmp_path, reward_file, **sections):
-    cfg = get_preset("smoke")
-    cfg = replace(cfg, task={"reward": reward_file}, train={"steps": 2, "eval_before": False},
-                  log={"run_dir": str(tmp_path), "tensorboard": False, "progress": False})
+    cfg = smoke_config(tmp_path, task={"reward": reward_file}, train={"steps": 2})
     return replace(cfg, **sections) if sections else cfg
 
 
@@ -131,10 +130,9 @@ def test_invalid_config_names_the_field(overrides, field):
 def test_bad_data_fails_before_any_model_is_loaded(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?"\n')
-    cfg = replace(get_preset("smoke"), model={"name": str(tmp_path / "no-such-model")},
-                  task={"name": "file", "options": json.dumps({"path": str(data), "prompt_column": "question",
-                                                               "answer_column": "answer"})},
-                  log={"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress": False})
+    cfg = smoke_config(tmp_path / "run", model={"name": str(tmp_path / "no-such-model")},
+                       task={"name": "file", "options": json.dumps({"path": str(data), "prompt_column": "question",
+                                                                    "answer_column": "answer"})})
     with pytest.raises(ValueError, match=r"data\.jsonl.*2|line 2"):
         Trainer(cfg, tmp_path / "run")
 

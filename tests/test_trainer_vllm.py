@@ -27,11 +27,11 @@ from conftest import VLLM_MARKS
 import torch
 
 from dppo.train.config import replace
-from dppo.train.presets import get_preset
 from dppo.rollout import SamplingParams
 from dppo.train.batch import RolloutBatch, collate
 from dppo.train.scoring import score_responses_reference
 from dppo.train.trainer import Trainer
+from conftest import smoke_config
 
 pytestmark = VLLM_MARKS
 
@@ -70,11 +70,9 @@ class Recorder:
 
 
 def _config(run_dir, **sections):
-    cfg = get_preset("smoke")
-    cfg = replace(cfg, rollout={"engine": "vllm", "dtype": "float32", "prompts_per_step": P, "group_size": G,
-                                "vllm_kv_cache_gb": 0.25, "vllm_gpu_memory_utilization": 0.1},  # two engines at once
-                  task={"eval_size": 4}, train={"steps": STEPS, "eval_before": False},
-                  log={"run_dir": str(run_dir), "tensorboard": False, "progress": False})
+    cfg = smoke_config(run_dir, rollout={"engine": "vllm", "dtype": "float32", "prompts_per_step": P, "group_size": G,
+                                         "vllm_kv_cache_gb": 0.25, "vllm_gpu_memory_utilization": 0.1},  # two engines
+                       task={"eval_size": 4}, train={"steps": STEPS})
     return replace(cfg, **sections) if sections else cfg
 
 

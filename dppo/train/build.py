@@ -240,12 +240,12 @@ def build_source(cfg: Config, *, draw, weights: dict[str, torch.Tensor], version
                  device: torch.device, rank: int = 0, announce=None):
     """The trainer's `RolloutSource` for rollout.mode, holding `weights` as version `version`: an engine in this
     process (sync; `rollout.engine_lag` versions behind) or rollout workers (async). draw(step) -> `Draw`: the
-    trainer's prompt draw; position: the prompt sampler's position now."""
+    trainer's prompt draw; position: the prompt sampler's position now. announce: called with the workers' line
+    (the engine choice is announced by the caller, from the config as the user gave it: `announce_rollout`)."""
     from dppo.rollout.source import EngineSource
     from dppo.rollout.spec import build_engine as from_spec
 
     r = cfg.rollout
-    announce_rollout(cfg, announce)
     if r.mode == "sync":  # ranks sample differently: engine seed train.seed + rank
         engine = from_spec(engine_spec(cfg, seed_offset=rank))
         return EngineSource(engine, draw, weights=weights, version=version, start_position=position, lag=r.engine_lag)

@@ -40,8 +40,8 @@ from dppo.losses import LOSSES, aggregation_denominator
 from dppo.rollout.base import SamplingParams
 from dppo.train.batch import RolloutBatch, collate
 from dppo.rollout.source import Draw
-from dppo.train.build import (build_model, build_reward_runner, build_scorer, build_source, build_task, check_rollout,
-                              engine_state, resolve_config, resolve_device)
+from dppo.train.build import (announce_rollout, build_model, build_reward_runner, build_scorer, build_source, build_task,
+                              check_rollout, engine_state, resolve_config, resolve_device)
 from dppo.train.evaluation import decode_responses, engine_prompts, evaluate, load_checkpoint_weights
 from dppo.train.scoring import Scores
 from dppo.trust_region import TRUST_REGIONS
@@ -137,7 +137,7 @@ class Trainer:
         """`self.cfg` is `cfg` resolved (`dppo.train.build.resolve_config`: engine, dtype, K and the trust region's
         parameters as this run uses them), which `dppo train` saves as the run directory's config.yaml."""
         self.cfg, self.run_dir = resolve_config(cfg), Path(run_dir)
-        cfg = self.cfg
+        requested, cfg = cfg, self.cfg
         self.dist = init_from_env(cfg, resolve_device(cfg.model.device))  # under torchrun: join the process group
         self._closed = False
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -171,6 +171,7 @@ class Trainer:
         self.stop_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id] if i is not None}))
         self.logger = RunLogger.for_run(self.run_dir, cfg, start_step=self.step_idx, active=self.dist.is_main)
         announce = lambda line: print(line, flush=True) if self.dist.is_main else None  # noqa: E731
+        announce_rollout(requested, announce)  # what `auto` chose and why (the resolved config only says what)
         # the engine (or the rollout workers) holding the current weights as version step_idx; with
         # rollout.engine_lag a resumed run's lag restarts from the resumed weights
         self.source = build_source(cfg, draw=self._draw, weights=self._engine_state(), version=self.step_idx,
@@ -193,8 +194,12 @@ class Trainer:
                 results["eval_before"] = self.evaluate_and_log()
             while self.step_idx < cfg.train.steps:
                 metrics = self.step()
-                t_log = time.perf_counter()
-                self.logger.log_step(self.step_idx, metrics)
+                t_log, failure = time.perf_counter(), None
+                try:  # only rank 0 writes: under torchrun every rank learns of its failure (a full disk) here
+                    self.logger.log_step(self.step_idx, metrics)
+                except Exception as exc:  # noqa: BLE001 - raised on every rank just below
+                    failure = exc
+                self.dist.agree(failure)
                 self._log_write_s = time.perf_counter() - t_log  # reported with the next step
                 stopping = self.dist.any_true(stop.signum is not None)  # every rank stops after the same step
                 if not stopping and cfg.train.eval_every and self.step_idx % cfg.train.eval_every == 0 \
