@@ -48,8 +48,6 @@ class EngineSpec:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"rollout.dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.top_k_logprobs < 0:
-            raise ValueError(f"rollout.top_k_logprobs: expected >= 0, got {self.top_k_logprobs}")
 
 
 def build_engine(spec: EngineSpec):
