@@ -1,0 +1,104 @@
+"""Why does a step's training phase cost more than the same update alone? Four timings of `Trainer._update`, side by
+side in one process, that separate the candidate causes:
+
+  A  in the step           the step's own update: a new batch, right after the engine generated it
+  B  same batch again      the same batch once more, right after A (shapes seen, no generation in between)
+  C  old batch after gen   the engine generates the next batch, then the previous batch is updated again
+                           (shapes seen, right after a generation)
+  D  new batch, not after  the next batch updated after C, i.e. new shapes but not right after a generation
+
+A ≫ B with C ≈ B and D ≈ A says new shapes cost (kernel/primitive set-up per shape); C ≈ A says the generation
+leaves state that slows the next update (allocator, caches, threads). `step/parts` = the step over (generation
+alone + the update alone), as `bench_vs_trl.py` reports it.
+
+    nice .venv/bin/python benchmarks/bench_step_overhead.py                       # SmolLM2-135M, fp32, hf engine
+    nice .venv/bin/python benchmarks/bench_step_overhead.py --model random-10m --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_vs_trl import dppo_config, model_folder  # noqa: E402
+
+import torch  # noqa: E402
+
+from dppo.rollout.source import stamp  # noqa: E402
+from dppo.train.batch import collate  # noqa: E402
+from dppo.train.trainer import Trainer  # noqa: E402
+
+
+class _Keep(Trainer):
+    """Keeps the batch and advantages of the step's own update."""
+
+    def _update(self, batch, adv, old, timer=None):
+        self.last = (batch, adv)
+        return super()._update(batch, adv, old, timer)
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--engine", default="hf")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--gens", type=int, default=8)
+    p.add_argument("--new", type=int, default=24)
+    p.add_argument("--mini-batches", type=int, default=1)
+    p.add_argument("--micro-batch-size", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    args.warmup = 1
+    torch.set_num_threads(args.threads)
+    run_dir = tempfile.mkdtemp(prefix="bench-overhead-")
+    trainer = _Keep(dppo_config(args, model_folder(args.model), args.engine, args.precision == "bf16", run_dir), run_dir)
+    rows = []
+    trainer.step()  # warm-up
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        m = trainer.step()
+        step_s = time.perf_counter() - t0
+        batch, adv = trainer.last
+        row = {"step_s": step_s, "gen_s": m["perf/generation_s"], "A_in_step_s": m["perf/training_s"]}
+        row["B_same_again_s"] = timed(lambda: trainer._update(batch, adv, None))
+        draw = trainer._draw(trainer.step_idx)
+        t0 = time.perf_counter()
+        rollouts = stamp(trainer.engine.generate(draw.prompts, draw.params), trainer.step_idx)
+        row["gen_alone_s"] = time.perf_counter() - t0
+        row["C_old_after_gen_s"] = timed(lambda: trainer._update(batch, adv, None))
+        new = collate(rollouts, pad_id=trainer.pad_id).to(trainer.device)
+        new.extras["staleness"] = torch.zeros(new.response_ids.shape[0], dtype=torch.long, device=trainer.device)
+        new_adv = torch.randn(new.response_ids.shape[0], device=trainer.device)
+        row["D_new_not_after_gen_s"] = timed(lambda: trainer._update(new, new_adv, None))
+        row["response_T"] = int(batch.response_ids.shape[1])
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    trainer.close()
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    parts = med["gen_alone_s"] + med["B_same_again_s"]
+    print(f"\n{args.model} {args.precision} engine {args.engine}, {args.prompts}x{args.gens}, {args.new} new tokens, "
+          f"{args.threads} threads, median of {args.steps} steps")
+    print(f"{'step':>8}{'gen':>8}{'A step':>9}{'B again':>9}{'C after gen':>13}{'D new shapes':>14}{'step/parts':>12}")
+    print(f"{med['step_s']:>8.2f}{med['gen_s']:>8.2f}{med['A_in_step_s']:>9.2f}{med['B_same_again_s']:>9.2f}"
+          f"{med['C_old_after_gen_s']:>13.2f}{med['D_new_not_after_gen_s']:>14.2f}{med['step_s'] / parts:>12.2f}")
+    print(json.dumps({"model": args.model, "precision": args.precision, "engine": args.engine, **med,
+                      "step_over_parts": med["step_s"] / parts, "A_over_B": med["A_in_step_s"] / med["B_same_again_s"]}))
+
+
+if __name__ == "__main__":
+    main()
