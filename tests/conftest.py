@@ -3,6 +3,9 @@
 Nothing here reads or downloads weights. Models are session-scoped and must not be modified by tests
 (engines copy them; tests that change weights build their own with `make_tiny_model`).
 
+The torchrun launchers of the multi-process tests (`free_port`, `launcher_env`, `torchrun`, `launch_ranks`) live
+here too, imported the same way.
+
 `smoke_config(run_dir, **sections)` is the one "smoke preset writing to a run directory" config every trainer test
 starts from (`from conftest import smoke_config`; tests/ is on sys.path under pytest).
 
@@ -15,6 +18,11 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,6 +58,54 @@ def smoke_config(run_dir, **sections) -> Config:
     for name, values in sections.items():
         merged[name] = {**merged.get(name, {}), **values}
     return replace(get_preset("smoke"), **merged)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_env(extra=None) -> dict[str, str]:
+    """This process's environment without torchrun's and the fault injector's variables; one thread, loopback."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DPPO_FAULT_INJECT")}
+    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)})
+    env.update(extra or {})
+    return env
+
+
+def torchrun(args, timeout=240, nproc=2) -> subprocess.CompletedProcess:
+    """`torchrun --standalone`-like launch of `args` on `nproc` local ranks (loopback only)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+    return subprocess.run(cmd, env=launcher_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def launch_ranks(per_rank_args, per_rank_env=None, timeout=120):
+    """One process per rank by hand (no torchrun agent that would kill the others when one fails), so that each
+    rank's own exit code and message can be checked. Returns [(returncode, stderr, seconds)]; fails on a hang."""
+    port, procs, t0 = free_port(), [], time.monotonic()
+    for rank, args in enumerate(per_rank_args):
+        env = launcher_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(per_rank_args)),
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                            **((per_rank_env or {}).get(rank, {}))})
+        procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+                q.communicate()
+            pytest.fail(f"a rank hung for more than {timeout}s")
+        out.append((p.returncode, err, time.monotonic() - t0))
+    return out
 
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, initializer_range=0.2)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port as _free_port, launch_ranks as _launch, launcher_env as _env, torchrun as _torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -78,48 +78,7 @@ def _run_update(trainer, batch, adv):
     return grads, {k: float(v) for k, v in stats.items()}, {k: v.clone() for k, v in weights.items()}
 
 
-# ---------------------------------------------------------------------------------------------- launching
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(extra=None):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DPPO_FAULT_INJECT")}
-    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)})
-    env.update(extra or {})
-    return env
-
-
-def _torchrun(args, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(W),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
-def _launch(per_rank_args, per_rank_env=None, timeout=120):
-    """Start one process per rank by hand (no torchrun agent that would kill the others when one fails), so
-    that each rank's own exit code and message can be checked. Returns [(returncode, stderr, seconds)]."""
-    port, procs, t0 = _free_port(), [], time.monotonic()
-    for rank, args in enumerate(per_rank_args):
-        env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(per_rank_args)),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **((per_rank_env or {}).get(rank, {}))})
-        procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    out = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"a rank hung for more than {timeout}s")
-        out.append((p.returncode, err, time.monotonic() - t0))
-    return out
-
-
+# ---------------------------------------------------------------------------------------------- helpers
 def _metric_steps(run):
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 

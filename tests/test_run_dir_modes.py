@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from safetensors.torch import load_file
 import dppo.train.run_dir as run_dir_mod
 from dppo.cli import main
 from dppo.train.checkpoint import complete_checkpoints, load_checkpoint
+from conftest import launch_ranks as _launch, torchrun as _torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -216,51 +216,6 @@ def test_async_kill_during_a_checkpoint_write_then_resume_matches_an_uninterrupt
 
 
 # ---------------------------------------------------------------------------------------------- torchrun
-W = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(extra=None):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DPPO_FAULT_INJECT")}
-    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)})
-    env.update(extra or {})
-    return env
-
-
-def _torchrun(args, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(W),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
-def _launch(per_rank_args, timeout=120):
-    """One process per rank by hand (no torchrun agent that would kill the others when one fails), so that each
-    rank's own exit code and message are seen. Returns [(returncode, stderr, seconds)]; fails the test on a hang."""
-    port, procs, t0 = _free_port(), [], time.monotonic()
-    for rank, args in enumerate(per_rank_args):
-        env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(per_rank_args)),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    out = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-                q.communicate()
-            pytest.fail(f"a rank hung for more than {timeout}s")
-        out.append((p.returncode, err, time.monotonic() - t0))
-    return out
-
-
 @pytest.fixture(scope="module")
 def torchrun_reference(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("torchrun_reference") / "run"
