@@ -171,12 +171,16 @@ def per_group_sums(values: Tensor, response_mask: Tensor, group_index: Tensor, n
     """Per-group sums of `values` over the response tokens, and the groups' response-token counts ([n_groups]
     each, float32 or wider): e.g. the Binary TV or the masked tokens of the responses of staleness 0..k.
 
-    values: [B, T] (bool or float); response_mask: [B, T]; group_index: [B] integer group of each sequence, a
-    value outside 0..n_groups−1 counts in no group. Sums and counts add over micro-batches; a group's mean is
-    sums / counts.clamp(min=1).
+    values: [B, T] (bool or float); response_mask: [B, T]; group_index: [B] integer group of each sequence, or
+    [B, T] of each token (e.g. a multi-turn episode's turn index); a value outside 0..n_groups−1 counts in no
+    group. Sums and counts add over micro-batches; a group's mean is sums / counts.clamp(min=1).
     """
     values = _acc(values.float() if values.dtype == torch.bool else values)
-    onehot = (group_index[:, None] == torch.arange(n_groups, device=group_index.device)[None, :]).to(values.dtype)
+    groups = torch.arange(n_groups, device=group_index.device)
+    if group_index.dim() == 2:  # per token: [B, T, n_groups]
+        onehot = (group_index[..., None] == groups).to(values.dtype) * response_mask[..., None].to(values.dtype)
+        return torch.einsum("bt,btg->g", _on(values, response_mask), onehot), onehot.sum((0, 1))
+    onehot = (group_index[:, None] == groups[None, :]).to(values.dtype)
     return _on(values, response_mask).sum(-1) @ onehot, response_mask.to(values.dtype).sum(-1) @ onehot
 
 

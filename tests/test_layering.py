@@ -1,6 +1,6 @@
 """The package's layers only import downward (docs/library.md, "Layout").
 
-    math (dppo/*.py) < runtime < rewards < tasks < rollout < train < studies, integrations < cli
+    math (dppo/*.py) < runtime < rewards < tasks < envs < rollout < train < studies, integrations < cli
 
 Every `import dppo...` statement of every module counts, lazy ones inside functions included: a layer that reached
 up (the rollout engine building itself from the trainer's config, say) would fail here, naming the module and line.
@@ -16,8 +16,8 @@ import pytest
 import dppo
 
 ROOT = Path(dppo.__file__).parent
-RANK = {"math": 0, "runtime": 1, "rewards": 2, "tasks": 3, "rollout": 4, "train": 5, "studies": 6,
-        "integrations": 6, "cli": 7}
+RANK = {"math": 0, "runtime": 1, "rewards": 2, "tasks": 3, "envs": 4, "rollout": 5, "train": 6, "studies": 7,
+        "integrations": 7, "cli": 8}
 """A module may import modules of its own layer or of a lower rank."""
 
 

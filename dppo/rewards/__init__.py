@@ -21,11 +21,6 @@ timeout; default for the trusted string built-ins exact_match, last_number, lead
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dppo.rewards.builtin import (
@@ -37,6 +32,7 @@ from dppo.rewards.builtin import (
     reasoning_gym_score,
 )
 from dppo.example import RewardFn
+from dppo.runtime.plugins import is_import_path, load_object
 
 if TYPE_CHECKING:
     from dppo.rewards.runner import RewardRunner
@@ -57,24 +53,6 @@ SPEC_ATTRIBUTE = "__dppo_reward_spec__"
 """Set on functions loaded from a file path, so worker processes can load them again by that path."""
 
 
-def _load_file_module(path_text: str, spec: str):
-    path = Path(path_text).expanduser().resolve()
-    if not path.is_file():
-        raise ValueError(f"reward {spec!r}: file not found: {path}")
-    name = f"_dppo_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name], str(path)
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[name]
-        raise ValueError(f"reward {spec!r}: importing {path} failed: {type(err).__name__}: {err}") from err
-    return module, str(path)
-
-
 def get_reward(name_or_path: str | RewardFn) -> RewardFn:
     """A reward by registry name, "module.path:function" or "path/to/file.py:function" (callables pass through).
 
@@ -86,26 +64,13 @@ def get_reward(name_or_path: str | RewardFn) -> RewardFn:
     spec = name_or_path
     if spec in REWARDS:
         return REWARDS[spec]
-    module_part, _, attr = spec.rpartition(":")
-    if not module_part or not attr:
+    if not is_import_path(spec):
         raise ValueError(
             f"unknown reward {spec!r}; valid names: {', '.join(REWARDS)}, "
             "or an import path 'package.module:function' / 'path/to/file.py:function'"
         )
-    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
-        module, file_path = _load_file_module(module_part, spec)
-    else:
-        file_path = None
-        try:
-            module = importlib.import_module(module_part)
-        except ImportError as err:
-            raise ValueError(f"reward {spec!r}: cannot import module {module_part!r}: {err}") from err
-    fn: Any = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-            raise ValueError(f"reward {spec!r}: {module_part!r} has no attribute {attr!r}; it defines {defined}")
-        fn = getattr(fn, part)
+    fn, file_path = load_object(spec, kind="reward")
+    attr = spec.rpartition(":")[2]
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: {attr!r} is a {type(fn).__name__}, not a callable")
     if file_path is not None:

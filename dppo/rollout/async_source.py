@@ -59,9 +59,9 @@ class AsyncSource(RolloutSource):
     """Steps in flight against a worker `Pool` that holds version `start_step` (see the module docstring)."""
 
     def __init__(self, pool: Pool, draw: Callable[[int], Draw], *, max_staleness: int, start_step: int,
-                 start_position: int) -> None:
+                 start_position: int, episodes=None) -> None:
         super().__init__(draw, start_position=start_position)
-        self.pool, self.max_staleness = pool, max_staleness
+        self.pool, self.max_staleness, self.episodes = pool, max_staleness, episodes
         self.weight_version = start_step
         self._next_step = start_step
         self._pending: dict[int, _Pending] = {}
@@ -125,7 +125,7 @@ class AsyncSource(RolloutSource):
             self._ids += 1
             pending.shares[self._ids] = (lo, None)
             self._owner[self._ids] = pending
-            self.pool.submit(part, Request(self._ids, pending.step, list(prompts[lo:hi]), share))
+            self.pool.submit(part, Request(self._ids, pending.step, list(prompts[lo:hi]), share, self.episodes))
 
     def _wait(self, pending: _Pending) -> None:
         while not pending.complete:

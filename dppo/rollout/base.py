@@ -88,6 +88,16 @@ class Rollout:
     """[T, K+1] float32: µ's log-probs at topk_ids (0 where invalid)."""
     rollout_topk_valid: Tensor | None = None
     """[T, K+1] bool: True where the slot is used (first K always; the last only for an out-of-top-K token)."""
+    loss_mask: Tensor | None = None
+    """[T] bool: True where the policy sampled the token (multi-turn episodes: False on the environment's tokens,
+    whose `rollout_logp` is 0 and top-K cells invalid). None = every token was sampled (single-turn)."""
+    turn_index: Tensor | None = None
+    """[T] int64: the assistant turn each token belongs to (episodes; None for single-turn responses)."""
+    reward: float | None = None
+    """The episode's reward from its environment (None: the task's reward function scores the response)."""
+    episode: dict | None = None
+    """An episode's counters (turns, tool_calls, tool_errors, tool_timeouts, env_errors, env_timeouts, truncated,
+    env_tokens), its `error` (or None) and its `messages` (the transcript)."""
 
 
 def topk_cells(tokens: Tensor, logp: Tensor, top_ids: Tensor, top_logp: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -18,6 +18,10 @@ Implementations:
   is published (CPU copies wait in a queue), a deterministic stand-in for asynchronous staleness.
 - `dppo.rollout.async_source.AsyncSource`: rollout workers in other processes (or Ray actors) that sample ahead.
 
+**Episodes.** With an `EpisodeSpec` (`dppo.rollout.episodes`), every source runs multi-turn episodes instead of
+single responses: the draw's `prompts` are then the task examples, and the same episode code runs in this process
+(sync, lagged) and in the rollout workers (async: the spec travels with each request).
+
 `draw(step) -> Draw` is the trainer's prompt draw (examples, engine prompts, sampling parameters, and the prompt
 sampler's position after it); `trained_position` is that position after the last batch `take` returned, which a
 checkpoint stores (a resumed run draws any batches that were in flight again).
@@ -49,6 +53,12 @@ class Draw:
 
 class StalenessError(RuntimeError):
     """A source returned a response older than its staleness bound (a scheduling bug, never silently trained)."""
+
+
+def sample(engine, prompts: Sequence, params: SamplingParams, collector=None) -> list[Rollout]:
+    """One batch from `engine`: single responses (`engine.generate`), or episodes when `collector` (an
+    `EpisodeCollector`) is given, `prompts` then being task examples."""
+    return engine.generate(prompts, params) if collector is None else collector(engine, prompts, params)
 
 
 class RolloutSource:
@@ -102,11 +112,16 @@ class EngineSource(RolloutSource):
     """An engine in the trainer's process, `lag` versions behind the trainer (0 = synchronous)."""
 
     def __init__(self, engine, draw: Callable[[int], Draw], *, weights: dict[str, Tensor], version: int,
-                 start_position: int, lag: int = 0) -> None:
+                 start_position: int, lag: int = 0, episodes=None) -> None:
         super().__init__(draw, start_position=start_position)
         if lag < 0:
             raise ValueError(f"rollout.engine_lag: expected >= 0, got {lag}")
         self.engine, self.lag, self.max_staleness = engine, lag, lag
+        self.collector = None
+        if episodes is not None:
+            from dppo.rollout.episodes import EpisodeCollector
+
+            self.collector = EpisodeCollector(episodes)
         self._waiting: collections.deque = collections.deque()  # (version, CPU state dict) not yet loaded
         self._load(version, weights)
 
@@ -116,7 +131,7 @@ class EngineSource(RolloutSource):
 
     def _take(self, step: int):
         d = self.draw(step)
-        return d.examples, stamp(self.engine.generate(d.prompts, d.params), self.version), d.position
+        return d.examples, stamp(sample(self.engine, d.prompts, d.params, self.collector), self.version), d.position
 
     def publish(self, version: int, weights: dict[str, Tensor]) -> None:
         if not self.lag:
@@ -127,7 +142,7 @@ class EngineSource(RolloutSource):
             self._load(*self._waiting.popleft())
 
     def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
-        return stamp(self.engine.generate(prompts, params), self.version)
+        return stamp(sample(self.engine, prompts, params, self.collector), self.version)
 
     def close(self) -> None:
         self.engine.close()

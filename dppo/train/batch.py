@@ -6,9 +6,12 @@ K+1 = µ's top-K plus the sampled token's slot):
 - `prompt_ids`: B tensors [P_i] int64 (unpadded; equal prompts share one tensor)
 - `prompt_index`: [B] int64, the prompt of each response within the step
 - `response_ids` [B, T] int64 (padded with pad_id), `response_mask` [B, T] bool (True = real token, a prefix)
-- `rollout_logp` [B, T] float32: log µ(a_t|s_t) recorded by the engine (0 at padding)
+- `loss_mask` [B, T] bool: True = a token the policy sampled (the loss, its denominator and the metrics count these);
+  equal to `response_mask` for single-turn responses, False on a multi-turn episode's environment tokens
+- `rollout_logp` [B, T] float32: log µ(a_t|s_t) recorded by the engine (0 at padding and on environment tokens)
 - `weight_version` [B] int64: the engine weights each response was sampled under (started under)
 - `extras["token_version"]` [B, T] int64: the weights of each token, where the engine records it
+- `extras["turn_index"]` [B, T] int64: the assistant turn of each token (episodes only; -1 at padding)
 - `topk_ids`, `topk_logp`, `topk_valid` [B, T, K+1]: µ's top-K cells (None without top-K capture)
 """
 
@@ -40,6 +43,8 @@ class RolloutBatch:
     finish_reason: list[str]
     weight_version: Tensor
     """[B] int64."""
+    loss_mask: Tensor | None = None
+    """[B, T] bool, True = sampled by the policy (see the module docstring); None is filled with response_mask."""
     rollout_topk_ids: Tensor | None = None
     """[B, T, K+1] int64 or None."""
     rollout_topk_logp: Tensor | None = None
@@ -48,14 +53,21 @@ class RolloutBatch:
     """[B, T, K+1] bool or None (False at padding)."""
     extras: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            self.loss_mask = self.response_mask
+        elif bool((self.loss_mask & ~self.response_mask).any()):
+            raise ValueError("loss_mask: True outside response_mask (a trained token must be a real token)")
+
     def to(self, device: torch.device | str) -> "RolloutBatch":
         """A copy with every tensor on `device` (prompt id tensors stay where they are: they are small)."""
         move = lambda t: t.to(device) if t is not None else None  # noqa: E731
         return RolloutBatch(
             prompt_ids=self.prompt_ids, prompt_index=self.prompt_index, response_ids=move(self.response_ids),
-            response_mask=move(self.response_mask), rollout_logp=move(self.rollout_logp),
+            response_mask=move(self.response_mask), loss_mask=move(self.loss_mask), rollout_logp=move(self.rollout_logp),
             finish_reason=self.finish_reason, weight_version=self.weight_version, rollout_topk_ids=move(self.rollout_topk_ids),
-            rollout_topk_logp=move(self.rollout_topk_logp), rollout_topk_valid=move(self.rollout_topk_valid), extras=self.extras,
+            rollout_topk_logp=move(self.rollout_topk_logp), rollout_topk_valid=move(self.rollout_topk_valid),
+            extras={k: move(v) if isinstance(v, Tensor) else v for k, v in self.extras.items()},
         )
 
     @property
@@ -90,7 +102,17 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
             topk_ids[i, :n] = r.rollout_topk_ids
             topk_logp[i, :n] = r.rollout_topk_logp
             topk_valid[i, :n] = r.rollout_topk_valid
+    loss_mask = mask.clone()
+    for i, r in enumerate(rollouts):
+        if r.loss_mask is not None:
+            loss_mask[i, :r.loss_mask.numel()] = r.loss_mask
     extras = {}
+    if any(r.turn_index is not None for r in rollouts):  # [B, T]: the assistant turn of each token
+        turns = torch.full((B, T), -1, dtype=torch.long)
+        for i, r in enumerate(rollouts):
+            if r.turn_index is not None:
+                turns[i, :r.turn_index.numel()] = r.turn_index
+        extras["turn_index"] = turns
     if all(r.token_versions is not None for r in rollouts):  # [B, T]: the weight version of each token
         versions = torch.zeros((B, T), dtype=torch.long)
         for i, r in enumerate(rollouts):
@@ -101,6 +123,7 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
         prompt_index=torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long),
         response_ids=response_ids,
         response_mask=mask,
+        loss_mask=loss_mask,
         rollout_logp=logp,
         finish_reason=[r.finish_reason for r in rollouts],
         weight_version=torch.tensor([r.weight_version for r in rollouts], dtype=torch.long),

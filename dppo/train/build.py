@@ -245,10 +245,11 @@ def build_source(cfg: Config, *, draw, weights: dict[str, torch.Tensor], version
     from dppo.rollout.source import EngineSource
     from dppo.rollout.spec import build_engine as from_spec
 
-    r = cfg.rollout
+    r, episodes = cfg.rollout, episode_spec(cfg)
     if r.mode == "sync":  # ranks sample differently: engine seed train.seed + rank
         engine = from_spec(engine_spec(cfg, seed_offset=rank))
-        return EngineSource(engine, draw, weights=weights, version=version, start_position=position, lag=r.engine_lag)
+        return EngineSource(engine, draw, weights=weights, version=version, start_position=position, lag=r.engine_lag,
+                            episodes=episodes)
     from dppo.rollout.async_source import AsyncSource
     from dppo.rollout.remote import start_pool
 
@@ -258,7 +259,33 @@ def build_source(cfg: Config, *, draw, weights: dict[str, torch.Tensor], version
     if announce is not None:
         announce(f"[dppo] rollout: async, max_staleness {r.max_staleness}, {r.backend} backend, "
                  + "; ".join(pool.name(i) for i in range(len(pool.devices))))
-    return AsyncSource(pool, draw, max_staleness=r.max_staleness, start_step=version, start_position=position)
+    return AsyncSource(pool, draw, max_staleness=r.max_staleness, start_step=version, start_position=position,
+                       episodes=episodes)
+
+
+def episode_spec(cfg: Config):
+    """The run's `EpisodeSpec` (multi-turn episodes), or None for single-turn responses (env.name '')."""
+    from dppo.rollout.episodes import EpisodeSpec
+
+    e = cfg.env
+    if not e.name:
+        return None
+    return EpisodeSpec(e.name, e.options_dict, max_turns=e.max_turns, max_tokens=e.max_tokens, env_timeout_s=e.timeout_s)
+
+
+def check_environment(cfg: Config, examples) -> None:
+    """Before any model loads: the environment exists, takes its options, and its reset() answers the first training
+    example with well-formed messages (ValueError naming env.name otherwise)."""
+    spec = episode_spec(cfg)
+    if spec is None:
+        return
+    from dppo.envs.base import check_messages
+
+    try:
+        env = spec.factory()()
+        check_messages(env.reset(examples[0]), spec.env)
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"env.name: {err}") from err
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:

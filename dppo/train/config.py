@@ -213,6 +213,39 @@ class TaskConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    """Multi-turn episodes (docs/agents.md): an environment answers each assistant turn; '' = single-turn responses."""
+
+    name: str = ""
+    """An environment (calculator, python, feedback) or `module:Class` / `path/to/file.py:Class`; '' = off."""
+    options: str = "{}"
+    """JSON object of the environment's options, e.g. '{"max_tool_chars": 500}'."""
+    max_turns: int = 4
+    """Assistant turns per episode (each turn's length is capped by rollout.max_new_tokens)."""
+    max_tokens: int = 256
+    """Response tokens of a whole episode, generated and environment tokens together; past it: truncated."""
+    timeout_s: float = 30.0
+    """Longest an environment's step may take; past it the episode ends and is counted as an env timeout."""
+
+    def __post_init__(self) -> None:
+        try:
+            options = json.loads(self.options)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"env.options: not valid JSON ({exc})") from None
+        if not isinstance(options, dict):
+            _fail("env.options", f"expected a JSON object, got {type(options).__name__}")
+        if self.max_turns < 1:
+            _fail("env.max_turns", f"expected >= 1, got {self.max_turns}")
+        if self.max_tokens < 1:
+            _fail("env.max_tokens", f"expected >= 1, got {self.max_tokens}")
+        _positive("env", timeout_s=self.timeout_s)
+
+    @property
+    def options_dict(self) -> dict[str, Any]:
+        return json.loads(self.options)
+
+
+@dataclass(frozen=True)
 class _LossSettings:
     """The policy loss (spec §3-§4): trust region, anchor, importance-weight cap, aggregation. The trust regions'
     own parameters (delta_low, eps_high, relax_alpha, cppo_*, neg_delta, ...) are fields too, one per name in
@@ -444,6 +477,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -467,6 +501,9 @@ class Config:
         if self.rollout.mode == "async" and workers > self.rollout.prompts_per_step:
             _fail("rollout.devices", f"{workers} rollout workers but rollout.prompts_per_step = "
                                      f"{self.rollout.prompts_per_step}: every worker needs at least one prompt per step")
+        if self.env.name and self.rollout.max_new_tokens > self.env.max_tokens:
+            _fail("rollout.max_new_tokens", f"{self.rollout.max_new_tokens} (one turn) > env.max_tokens "
+                                            f"{self.env.max_tokens} (the whole episode)")
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
             _fail("loss.anchor", "drpo has no mask to anchor")
 
@@ -521,7 +558,7 @@ class Config:
 
 
 _SECTIONS = {
-    "model": ModelConfig, "rollout": RolloutConfig, "task": TaskConfig, "loss": LossConfig,
+    "model": ModelConfig, "rollout": RolloutConfig, "task": TaskConfig, "env": EnvConfig, "loss": LossConfig,
     "advantage": AdvantageConfig, "optim": OptimConfig, "train": TrainConfig, "log": LogConfig,
 }
 

@@ -42,17 +42,30 @@ def engine_prompts(examples, tokenizer) -> list:
             for ex in examples]
 
 
-def evaluate(engine, tokenizer, reward_runner, examples, params: SamplingParams, *, pad_id: int) -> dict[str, float]:
+def evaluate(engine, tokenizer, reward_runner, examples, params: SamplingParams, *, pad_id: int,
+             episodes: bool = False) -> dict[str, float]:
     """params.n sampled responses per example: pass@1 (reward >= 1) and mean reward over all of them. `engine`: an
-    engine or a `RolloutSource` (anything with `generate(prompts, params)`)."""
+    engine or a `RolloutSource` (anything with `generate(prompts, params)`). episodes: the source runs multi-turn
+    episodes (it takes the examples; the environment's rewards are used, and turns and tool calls are reported)."""
     if not examples:
         raise ValueError("examples: the evaluation set is empty")
-    batch = collate(engine.generate(engine_prompts(examples, tokenizer), params), pad_id=pad_id)
-    completions = decode_responses(batch, tokenizer)
-    rewards, _ = reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
+    if episodes:
+        from dppo.train import episodes as episode_metrics
+
+        rollouts = engine.generate(list(examples), params)
+        rewards, _ = episode_metrics.rewards(rollouts)
+        batch = collate(rollouts, pad_id=pad_id)
+        stats = episode_metrics.episode_stats(rollouts)
+        extra = {"turns": stats["episode/turns_mean"], "tool_calls": stats["episode/tool_calls_mean"],
+                 "tool_errors": stats["episode/tool_errors_mean"]}
+    else:
+        batch = collate(engine.generate(engine_prompts(examples, tokenizer), params), pad_id=pad_id)
+        completions = decode_responses(batch, tokenizer)
+        rewards, _ = reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
+        extra = {}
     return {"pass@1": float((rewards >= 1.0 - 1e-6).float().mean()), "reward_mean": float(rewards.mean()),
             "n": len(examples) * params.n, "temperature": params.temperature,
-            "response_length": float(batch.response_lengths.float().mean())}
+            "response_length": float(batch.response_lengths.float().mean()), **extra}
 
 
 def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:

@@ -41,7 +41,9 @@ from dppo.rollout.base import SamplingParams
 from dppo.train.batch import RolloutBatch, collate
 from dppo.rollout.source import Draw
 from dppo.train.build import (announce_rollout, build_model, build_reward_runner, build_scorer, build_source, build_task,
-                              check_rollout, engine_state, resolve_config, resolve_device)
+                              check_environment, check_rollout, engine_state, episode_spec, resolve_config,
+                              resolve_device)
+from dppo.train import episodes as episode_metrics
 from dppo.train.evaluation import decode_responses, engine_prompts, evaluate, load_checkpoint_weights
 from dppo.train.scoring import Scores
 from dppo.trust_region import TRUST_REGIONS
@@ -147,6 +149,9 @@ class Trainer:
         check_rollout(cfg, resolve_device(cfg.model.device))  # before any model loads
         self.task = build_task(cfg)  # validates data before any model is loaded
         self.train_examples, self.eval_examples = list(self.task.train), list(self.task.eval)
+        check_environment(cfg, self.train_examples)  # env settings fail here, before any model loads
+        self.episodes = episode_spec(cfg)  # multi-turn episodes (None: single-turn responses)
+        self.max_response_len = cfg.env.max_tokens if self.episodes is not None else cfg.rollout.max_new_tokens
         self.reward_runner = build_reward_runner(cfg, self.task)
         self.model, self.tokenizer, self.model_path = build_model(cfg, self.run_dir)
         self.scorer = build_scorer(cfg, self.model, self.dist)  # DDP/FSDP2 under torchrun (FSDP2 shards self.model)
@@ -233,9 +238,14 @@ class Trainer:
                 cpu_batch = collate(rollouts, pad_id=self.pad_id)
                 batch = cpu_batch.to(self.device)  # staleness of each response: trained by version step_idx
                 batch.extras["staleness"] = (self.step_idx - batch.weight_version).to(self.device)
+                batch.extras["staleness_step"] = self.step_idx
             with timer.time("reward"):
                 completions = decode_responses(cpu_batch, self.tokenizer)
-                rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
+                if self.episodes is not None:  # the environment scored each episode while it ran
+                    rewards, reward_stats = episode_metrics.rewards(rollouts)
+                    completions = [episode_metrics.transcript(r) for r in rollouts]
+                else:
+                    rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
                 rewards = rewards.to(self.device)
         except Exception as exc:  # noqa: BLE001 - agreed below: raised on every rank (one process: re-raised)
             failure = exc
@@ -255,6 +265,8 @@ class Trainer:
         with timer.time("metrics"):
             self.logger.log_samples(self.step_idx, self._samples(completions, rewards, batch, examples))
             metrics = self._step_metrics(batch, rewards, reward_stats, adv_stats, update_stats)
+            if self.episodes is not None:
+                metrics.update(episode_metrics.episode_stats(rollouts))
             for j in range(self.source.max_staleness + 1):
                 if metrics[f"rollout/staleness_frac_{j}"] == 0.0:  # per-staleness values of a staleness not trained
                     metrics.pop(f"mismatch/binary_tv_stale_{j}", None)
@@ -268,7 +280,8 @@ class Trainer:
         """The prompts of training step `step` (the source calls it when it samples that step's batch). Every rank
         draws the same prompts and keeps its contiguous share (whole groups stay on one rank)."""
         examples = [self.train_examples[i] for i in self.dist.shard(self.sampler.next(self.cfg.rollout.prompts_per_step))]
-        return Draw(examples, engine_prompts(examples, self.tokenizer), self._sampling_params(step), self.sampler.position)
+        prompts = examples if self.episodes is not None else engine_prompts(examples, self.tokenizer)
+        return Draw(examples, prompts, self._sampling_params(step), self.sampler.position)
 
     # ------------------------------------------------------------------ pieces of a step
     def _sampling_params(self, step: int, *, n: int | None = None, temperature: float | None = None,
@@ -330,11 +343,11 @@ class Trainer:
     def _update(self, batch: RolloutBatch, adv: Tensor, old, timer: StepTimer | None = None) -> dict[str, Any]:
         cfg = self.cfg
         timer = timer or StepTimer(cuda=self.device.type == "cuda")
-        acc = _Accumulator(self.device, self.source.max_staleness)
+        acc = _Accumulator(self.device, self.source.max_staleness, self.cfg.env.max_turns if self.episodes else 0)
         first = True
         for epoch in range(cfg.train.epochs):
             for mb in self._minibatches(batch.response_ids.shape[0], epoch):
-                denom = self.dist.global_denominator(aggregation_denominator(batch.response_mask[mb], cfg.loss.aggregation))
+                denom = self.dist.global_denominator(aggregation_denominator(batch.loss_mask[mb], cfg.loss.aggregation))
                 loss_finite = torch.ones((), dtype=torch.bool, device=self.device)
                 mb_loss = torch.zeros((), device=self.device)  # the mini-batch's loss: the sum of its micro-batches'
                 micros = mb.split(cfg.train.micro_batch_size)
@@ -362,14 +375,14 @@ class Trainer:
 
     def _loss(self, batch, micro, scores, adv, old, denom):
         """The loss of one micro-batch (a `dppo.losses.LOSSES` entry) and its metrics."""
-        mask, rollout_logp = batch.response_mask[micro], batch.rollout_logp[micro]
+        mask, rollout_logp = batch.loss_mask[micro], batch.rollout_logp[micro]  # generated tokens only
         divergence = None
         if self.topk_divergence is not None:  # Top-K regions: the divergence against the anchor's top-K cells
             anchor_cells = old.topk_logp[micro] if old is not None else batch.rollout_topk_logp[micro]
             divergence = self.topk_divergence(scores.topk_logp, anchor_cells, batch.rollout_topk_valid[micro])
         loss, stats = self.loss_fn(scores.logp, rollout_logp, adv[micro], mask, divergence=divergence,
                                    old_logp=old.logp[micro] if old is not None else None,
-                                   max_response_len=self.cfg.rollout.max_new_tokens, denominator=denom,
+                                   max_response_len=self.max_response_len, denominator=denom,
                                    **self.loss_settings)
         stats = dict(stats)
         if "keep" in stats:
@@ -378,6 +391,9 @@ class Trainer:
             if "staleness" in batch.extras:  # masked tokens per staleness
                 stats["masked_by_staleness"], stats["n_by_staleness"] = metrics.per_group_sums(
                     ~keep, mask, batch.extras["staleness"][micro], self.source.max_staleness + 1)
+            if "turn_index" in batch.extras:  # masked tokens per turn of an episode
+                stats["masked_by_turn"], stats["n_by_turn"] = metrics.per_group_sums(
+                    ~keep, mask, batch.extras["turn_index"][micro], self.cfg.env.max_turns)
         return loss, stats
 
     def _optimizer_step(self, loss_finite: Tensor) -> Tensor:
@@ -470,7 +486,8 @@ class Trainer:
         params = self._sampling_params(10_000_000 + self.step_idx, n=self.cfg.train.eval_samples_per_prompt,
                                        temperature=temp, top_k_logprobs=0)
         return self.dist.evaluate(  # each rank evaluates its share of the examples
-            lambda share: evaluate(self.source, self.tokenizer, self.reward_runner, share, params, pad_id=self.pad_id),
+            lambda share: evaluate(self.source, self.tokenizer, self.reward_runner, share, params, pad_id=self.pad_id,
+                                   episodes=self.episodes is not None),
             examples)
 
     def evaluate_and_log(self) -> dict[str, float]:
@@ -544,8 +561,9 @@ def make_optimizer(params: list[Tensor], **hyper) -> torch.optim.AdamW:
 class _Accumulator:
     """Sums per-micro-batch stats as tensors; `result` divides once (no host sync until the step ends)."""
 
-    def __init__(self, device: torch.device, max_staleness: int = 0) -> None:
+    def __init__(self, device: torch.device, max_staleness: int = 0, max_turns: int = 0) -> None:
         self.max_staleness = max_staleness  # the mismatch and masked fraction per staleness 0..k
+        self.max_turns = max_turns  # ... and per turn 0..max_turns-1 of multi-turn episodes
         self.sums: dict[str, Tensor] = {}
         self.weights: dict[str, Tensor] = {}
         self.ratio_max = torch.zeros((), device=device)
@@ -571,14 +589,15 @@ class _Accumulator:
         self.ratio_max = torch.maximum(self.ratio_max, stats["ratio_max"].float())
         if "masked_mu_hist" in stats:
             self.hist += stats["masked_mu_hist"]
-        if "masked_by_staleness" in stats:
-            n = stats["n_by_staleness"]
-            frac = stats["masked_by_staleness"] / n.clamp(min=1)
-            for j in range(n.shape[0]):
-                self._add(f"trust_region/masked_frac_stale_{j}", frac[j], n[j])
+        for by in ("staleness", "turn"):
+            if f"masked_by_{by}" in stats:
+                n = stats[f"n_by_{by}"]
+                frac = stats[f"masked_by_{by}"] / n.clamp(min=1)
+                for j in range(n.shape[0]):
+                    self._add(f"trust_region/masked_frac_{'stale' if by == 'staleness' else 'turn'}_{j}", frac[j], n[j])
 
     def add_mismatch(self, batch: RolloutBatch, micro: Tensor, scores) -> None:
-        mask, logp, mu = batch.response_mask[micro], scores.logp.detach(), batch.rollout_logp[micro]
+        mask, logp, mu = batch.loss_mask[micro], scores.logp.detach(), batch.rollout_logp[micro]
         cells = scores.topk_logp is not None and batch.rollout_topk_logp is not None
         stats = metrics.mismatch_stats(
             logp, mu, mask, logp_cells=scores.topk_logp if cells else None,
@@ -594,13 +613,24 @@ class _Accumulator:
                                                   self.max_staleness + 1)
             for j in range(count.shape[0]):
                 self._add(f"mismatch/binary_tv_stale_{j}", total[j] / count[j].clamp(min=1), count[j])
+        if self.max_turns and "turn_index" in batch.extras:  # per turn of an episode (generated tokens only)
+            turn = batch.extras["turn_index"][micro]
+            total, count = metrics.per_group_sums(binary_tv(logp, mu), mask, turn, self.max_turns)
+            for j in range(count.shape[0]):
+                self._add(f"mismatch/binary_tv_turn_{j}", total[j] / count[j].clamp(min=1), count[j])
+            if "token_version" in batch.extras:
+                stale = (batch.extras["staleness_step"] - batch.extras["token_version"][micro]).float()
+                total, count = metrics.per_group_sums(stale, mask, turn, self.max_turns)
+                for j in range(count.shape[0]):
+                    self._add(f"rollout/staleness_turn_{j}", total[j] / count[j].clamp(min=1), count[j])
 
     def add_grad_norm(self, grad_norm: Tensor, loss_finite: Tensor) -> None:
         self.grad_norms.append(grad_norm.float())
         self.nonfinite_losses = self.nonfinite_losses + (~loss_finite).float()
 
     def result(self) -> dict[str, Tensor]:
-        out = {k: self.sums[k] / torch.as_tensor(self.weights[k]).clamp(min=1e-12) for k in self.sums}
+        out = {k: self.sums[k] / torch.as_tensor(self.weights[k]).clamp(min=1e-12) for k in self.sums
+               if "_turn_" not in k or bool(torch.as_tensor(self.weights[k]) > 0)}  # (turns no episode reached)
         out["ratio/max"] = self.ratio_max
         norms = torch.stack(self.grad_norms)
         out["optim/grad_norm"] = norms.mean()

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from dppo.rollout.base import EnginePrompt, Rollout, SamplingParams
-from dppo.rollout.source import stamp
+from dppo.rollout.source import sample, stamp
 from dppo.rollout.spec import EngineSpec, build_engine
 
 
@@ -37,7 +37,10 @@ class Request:
     step: int
     """The training step whose batch this is (-1 for evaluation)."""
     prompts: Sequence[EnginePrompt]
+    """Engine prompts, or (with `episodes`) task examples."""
     params: SamplingParams
+    episodes: Any = None
+    """An `EpisodeSpec`: run multi-turn episodes from the examples in `prompts` (None: single responses)."""
 
 
 @dataclass
@@ -81,6 +84,7 @@ class WorkerCore:
         self.engine = build_engine(spec)
         self.version = -1
         self.generating, self.in_flight_load_s = False, 0.0
+        self._collectors: dict = {}  # repr(EpisodeSpec) -> EpisodeCollector (its environment factory built once)
 
     def load(self, version: int, weights) -> float:
         """Load published weights `version` (a state dict); returns the seconds it took."""
@@ -101,7 +105,14 @@ class WorkerCore:
         t0, start_version = time.perf_counter(), self.version
         self.generating, self.in_flight_load_s = True, 0.0
         try:
-            rollouts = self.engine.generate(request.prompts, request.params)
+            collector = None
+            if request.episodes is not None:
+                from dppo.rollout.episodes import EpisodeCollector
+
+                collector = self._collectors.get(repr(request.episodes))
+                if collector is None:
+                    collector = self._collectors[repr(request.episodes)] = EpisodeCollector(request.episodes)
+            rollouts = sample(self.engine, request.prompts, request.params, collector)
         except Exception:  # noqa: BLE001 - reported to the trainer, which raises it naming this worker
             return Result(request.id, self.index, error=traceback.format_exc(), version=self.version)
         finally:
