@@ -1,0 +1,40 @@
+"""Environments for the episode tests, loaded by file path ("tests/data/scripted_env.py:Scripted") as users' are."""
+
+from dppo.envs import EnvStep, Environment
+
+
+class Scripted(Environment):
+    """`turns` assistant turns: each reply but the last gets a tool message `result <t>`; the last ends the episode
+    with reward = the number of digits the model wrote over all its replies (a signal a random model can move)."""
+
+    def __init__(self, turns: int = 3, message: str = "result") -> None:
+        self.turns, self.message, self.t, self.digits = turns, message, 0, 0
+
+    def step(self, reply: str) -> EnvStep:
+        self.t += 1
+        self.digits += sum(c.isdigit() for c in reply)
+        if self.t >= self.turns:
+            return EnvStep(reward=float(self.digits), done=True)
+        return EnvStep(messages=({"role": "tool", "content": f"{self.message} {self.t}"},), info={"tool_calls": 1.0})
+
+
+class Raises(Scripted):
+    def step(self, reply: str) -> EnvStep:
+        raise RuntimeError("the environment broke")
+
+
+class Hangs(Scripted):
+    def step(self, reply: str) -> EnvStep:
+        import time
+
+        time.sleep(60)
+
+
+class NotAMessage(Scripted):
+    def step(self, reply: str):
+        return {"role": "tool"}
+
+
+class BadReset(Scripted):
+    def reset(self, example):
+        return "not a list of messages"

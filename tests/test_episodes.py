@@ -1,0 +1,247 @@
+"""Multi-turn episodes (`dppo.rollout.episodes`) against obviously-correct references: the ids are the chat template's
+transcript, µ (and µ's top-K) on every generated token is the sampling distribution of the weights that sampled it,
+the trainer's π equals a plain forward over the whole sequence, environment tokens get exactly zero gradient and
+count in no denominator; the environment's failures are contained; every sampling mode runs the same episodes.
+
+The test environments live in tests/data/scripted_env.py and are loaded by file path, as a user's are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dppo.envs import ENVIRONMENTS, make_environment
+from dppo.example import Example
+from dppo.losses import LOSSES
+from dppo.rollout.base import SamplingParams
+from dppo.rollout.episodes import ChatDelta, EpisodeCollector, EpisodeSpec
+from dppo.rollout.hf import HFEngine
+from dppo.train.batch import collate
+from dppo.train.scoring import score_responses, score_responses_reference
+
+ENVS = Path(__file__).parent / "data" / "scripted_env.py"
+SCRIPTED = f"{ENVS}:Scripted"
+EXAMPLES = [Example(prompt=({"role": "user", "content": "2+3?"},), answer="5"),
+            Example(prompt=({"role": "system", "content": "Be brief."}, {"role": "user", "content": "17*3?"}), answer="51")]
+K = 4
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(**{"n": 2, "max_new_tokens": 6, "top_k_logprobs": K, "stop_token_ids": (1,), "seed": 3, **kw})
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model, with_logit_bias):
+    """The tiny model, never sampling pad / <|im_start|> / unk (so decoded replies are the sampled text), and
+    stopping often enough that some turns end with <|im_end|> and others are cut by max_new_tokens."""
+    return with_logit_bias(tiny_model, {0: -40.0, 2: -40.0, 3: -40.0, 1: 2.0})
+
+
+def _episodes(model, tokenizer):
+    engine = HFEngine(model, tokenizer)
+    return EpisodeCollector(EpisodeSpec(SCRIPTED, {"turns": 3}, max_turns=3, max_tokens=200))(engine, EXAMPLES, params())
+
+
+@pytest.fixture(scope="module")
+def episodes(model, tokenizer):
+    """Episodes of the biased model (readable transcripts, both kinds of turn end)."""
+    return _episodes(model, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model, tokenizer):
+    """Episodes of the plain tiny model (the trainer's scoring needs a bias-free lm-head; its turns are all cut by
+    max_new_tokens, so every turn has an inserted end of turn)."""
+    return _episodes(tiny_model, tokenizer)
+
+
+def test_ids_are_the_chat_templates_transcript_and_only_sampled_tokens_are_trained(episodes, tokenizer):
+    delta = ChatDelta(tokenizer)
+    assert tokenizer.decode(delta.boundary) == "\n"
+    assert len(episodes) == 4 and [r.prompt_index for r in episodes] == [0, 0, 1, 1]
+    cut = 0
+    for r in episodes:
+        messages = r.episode["messages"]
+        assert [m["role"] for m in messages][-5:] == ["assistant", "tool", "assistant", "tool", "assistant"]
+        assert r.episode["turns"] == 3 and r.finish_reason == "eos" and r.reward is not None
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+        ids = torch.cat([r.prompt_ids, r.response_ids]).tolist()
+        # up to the final end of turn: the boundary (and the stop token, when the last turn was cut) ends no turn
+        tail = "\n" if ids[-1] == tokenizer.eos_token_id else "<|im_end|>\n"
+        assert tokenizer.decode(ids) + tail == rendered
+        # environment tokens: exactly the template's tool turns (and an end-of-turn the engine did not sample)
+        env = r.response_ids[~r.loss_mask].tolist()
+        assert tokenizer.decode(env).replace("<|im_end|>", "").count("<|im_start|>tool\nresult") == 2
+        cut += r.episode["turns_truncated"]
+        assert r.episode["env_tokens"] == float((~r.loss_mask).sum())
+        assert torch.equal(r.rollout_logp[~r.loss_mask], torch.zeros(int((~r.loss_mask).sum())))
+        assert not r.rollout_topk_valid[~r.loss_mask].any()
+        assert r.rollout_topk_valid[r.loss_mask][:, :K].all()
+        assert r.turn_index.tolist() == sorted(r.turn_index.tolist()) and set(r.turn_index.tolist()) == {0, 1, 2}
+    assert 0 < cut < 12  # both kinds of turn end occurred: the stop token and the max_new_tokens cut
+
+
+def test_mu_and_its_topk_are_the_sampling_distribution_and_the_trainers_pi_is_a_plain_forward(plain, tiny_model):
+    model, batch = tiny_model, collate(plain, pad_id=0)
+    ref = score_responses_reference(model, batch.prompt_ids, batch.response_ids, batch.response_mask,
+                                    topk_ids=batch.rollout_topk_ids)
+    gen = batch.loss_mask
+    assert torch.allclose(ref.logp[gen], batch.rollout_logp[gen], rtol=0, atol=2e-5)
+    valid = batch.rollout_topk_valid & gen[..., None]
+    assert torch.allclose(ref.topk_logp[valid], batch.rollout_topk_logp[valid], rtol=0, atol=2e-5)
+    for layout in ("packed", "shared"):  # the trainer's scoring, every response position
+        got = score_responses(model, batch.prompt_ids, batch.response_ids, batch.response_mask, layout=layout)
+        assert torch.allclose(got.logp[batch.response_mask], ref.logp[batch.response_mask], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_environment_tokens_get_exactly_zero_gradient_and_count_in_no_denominator(plain, tiny_model, aggregation):
+    model, batch = tiny_model, collate(plain, pad_id=0)
+    adv = torch.tensor([1.0, -0.5, 0.25, -2.0])
+    logp = score_responses(model, batch.prompt_ids, batch.response_ids, batch.response_mask).logp
+    logp = logp.detach().requires_grad_(True)
+    loss, stats = LOSSES["masked_is"](logp, batch.rollout_logp, adv, batch.loss_mask, trust_region="dppo_binary_tv",
+                                      aggregation=aggregation)
+    (grad,) = torch.autograd.grad(loss, logp)
+    env = batch.response_mask & ~batch.loss_mask
+    assert env.any() and torch.equal(grad[env], torch.zeros(int(env.sum())))
+    assert (grad[batch.loss_mask] != 0).all()
+    # a hand computation over generated tokens only: ℓ_t = −Â·sg(π/µ)·log π (π = µ before any update: all kept)
+    lp = logp.detach()
+    terms = [[-float(adv[b]) * float((lp[b, t] - batch.rollout_logp[b, t]).exp()) * float(lp[b, t])
+              for t in range(lp.shape[1]) if batch.loss_mask[b, t]] for b in range(4)]
+    hand = {"token-mean": sum(map(sum, terms)) / sum(map(len, terms)),
+            "seq-mean-token-mean": sum(sum(s) / len(s) for s in terms) / 4,
+            "seq-mean-token-sum": sum(map(sum, terms)) / 4}[aggregation]
+    assert float(loss) == pytest.approx(hand, rel=1e-6)
+    assert float(stats["n_tokens"]) == float(batch.loss_mask.sum())
+    # whatever sits under the environment tokens (µ, π) cannot reach the loss
+    poisoned = batch.rollout_logp.masked_fill(env, 7.0)
+    again, _ = LOSSES["masked_is"](logp.masked_fill(env, -50.0), poisoned, adv, batch.loss_mask,
+                                   trust_region="dppo_binary_tv", aggregation=aggregation)
+    assert float(again) == float(loss)
+
+
+def test_vllm_records_mu_on_generated_tokens_from_token_ids(tmp_path, tokenizer, make_tiny_model):
+    pytest.importorskip("vllm")
+    from dppo.rollout.vllm import VLLMEngine
+    from dppo.runtime.models import save_model
+
+    model = make_tiny_model(seed=0, num_heads=2, num_kv_heads=1)  # (vLLM's CPU attention: head size >= 32)
+    path = save_model(model, tokenizer, tmp_path / "m")
+    with VLLMEngine(path, tokenizer, seed=0, max_logprobs=20, kv_cache_gb=0.25) as engine:
+        rollouts = EpisodeCollector(EpisodeSpec(SCRIPTED, {"turns": 3}, max_turns=3, max_tokens=200))(
+            engine, EXAMPLES[:1], params())
+    batch = collate(rollouts, pad_id=0)
+    ref = score_responses_reference(model, batch.prompt_ids, batch.response_ids, batch.response_mask,
+                                    topk_ids=batch.rollout_topk_ids)
+    gen = batch.loss_mask
+    assert (~gen & batch.response_mask).any()
+    assert torch.allclose(ref.logp[gen], batch.rollout_logp[gen], rtol=0, atol=1e-4)
+    valid = batch.rollout_topk_valid & gen[..., None]
+    assert torch.allclose(ref.topk_logp[valid], batch.rollout_topk_logp[valid], rtol=0, atol=1e-4)
+    assert not batch.rollout_topk_valid[~gen].any()
+
+
+# --- budgets and failures --------------------------------------------------------------------------------------
+
+
+def _run(model, tokenizer, env: str, **spec):
+    return EpisodeCollector(EpisodeSpec(env, **spec))(HFEngine(model, tokenizer), EXAMPLES[:1], params(n=1))
+
+
+def test_an_episode_over_its_budgets_is_truncated_not_an_error(model, tokenizer):
+    short = _run(model, tokenizer, SCRIPTED, options={"turns": 9}, max_turns=2, max_tokens=200)[0]
+    assert short.episode["turns"] == 2 and short.finish_reason == "length" and short.episode["truncated"] == 1.0
+    tight = _run(model, tokenizer, SCRIPTED, options={"turns": 9}, max_turns=9, max_tokens=20)[0]
+    assert tight.response_ids.numel() <= 20 and tight.finish_reason == "length"
+    assert tight.loss_mask[-1]  # an episode ends on a generated token, never on an environment answer
+
+
+@pytest.mark.parametrize("env, counter, message", [
+    ("Raises", "env_errors", "RuntimeError: the environment broke"),
+    ("Hangs", "env_timeouts", "timed out after 0.5s"),
+    ("NotAMessage", "env_errors", "returned dict, expected an EnvStep"),
+])
+def test_an_environment_that_raises_hangs_or_returns_garbage_is_contained_and_named(model, tokenizer, env, counter,
+                                                                                      message):
+    r = _run(model, tokenizer, f"{ENVS}:{env}", max_turns=3, max_tokens=100, env_timeout_s=0.5)[0]
+    assert r.episode[counter] == 1.0 and r.episode["turns"] == 1 and r.reward == 0.0
+    assert message in r.episode["error"] and f"{ENVS}:{env}" in r.episode["error"]
+
+
+def test_bad_environment_settings_fail_before_any_model_loads(tmp_path, monkeypatch):
+    from conftest import smoke_config
+    from dppo.train import trainer as trainer_module
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(trainer_module, "build_model", no_model)
+    for env, match in [({"name": "nope"}, "unknown environment 'nope'"),
+                       ({"name": "feedback", "options": '{"decay": 3}'}, "decay: expected in"),
+                       ({"name": "calculator", "options": '{"colour": 1}'}, "colour"),
+                       ({"name": f"{ENVS}:BadReset"}, "reset\\(\\) returned str")]:
+        with pytest.raises(ValueError, match=match):
+            trainer_module.Trainer(smoke_config(tmp_path, env=env), tmp_path)
+
+
+def test_user_environment_from_a_file_and_the_builtins_are_registered():
+    assert set(ENVIRONMENTS) == {"calculator", "python", "feedback"}
+    env = make_environment(SCRIPTED, turns=2)()
+    env.reset(EXAMPLES[0])
+    assert env.step("a1").messages == ({"role": "tool", "content": "result 1"},)
+    assert env.step("2").done and env.step  # second turn ends it
+    with pytest.raises(ValueError, match="has no attribute 'Missing'"):
+        make_environment(f"{ENVS}:Missing")
+
+
+# --- the trainer, in every sampling mode ---------------------------------------------------------------------------
+
+MODES = {"sync": {}, "lagged": {"engine_lag": 1},
+         "async": {"mode": "async", "max_staleness": 1, "worker_threads": 1, "worker_timeout_s": 60.0}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_trainer_runs_episodes_in_every_mode_and_mu_is_the_sampling_versions(tmp_path, mode):
+    """µ on every generated token equals the fp32 distribution of the published version that sampled it, in sync,
+    lagged and async modes; environment tokens are outside the loss; the step reports the per-turn metrics."""
+    from conftest import smoke_config
+    from test_async import _Recording
+
+    cfg = smoke_config(tmp_path, rollout={"dtype": "float32", "max_new_tokens": 4, **MODES[mode]},
+                       env={"name": SCRIPTED, "options": '{"turns": 3}', "max_turns": 3, "max_tokens": 120},
+                       train={"threads": 1, "steps": 3, "mini_batches": 1})
+    trainer = _Recording(cfg, tmp_path)
+    try:
+        metrics = [trainer.step() for _ in range(3)]
+        model = trainer.model
+        live = {n: p.detach().clone() for n, p in model.state_dict().items()}
+        stale = set()
+        for step, batch in trainer.batches:
+            assert (batch.response_mask & ~batch.loss_mask).any()  # environment tokens are there, not trained
+            for version in batch.weight_version.unique().tolist():
+                stale.add(step - version)
+                rows = (batch.weight_version == version).nonzero().squeeze(1)
+                model.load_state_dict(trainer.versions[version])
+                with torch.no_grad():
+                    ref = score_responses_reference(model, [batch.prompt_ids[i] for i in rows.tolist()],
+                                                    batch.response_ids[rows].cpu(), batch.response_mask[rows].cpu())
+                gen = batch.loss_mask[rows].cpu()
+                assert torch.allclose(ref.logp[gen], batch.rollout_logp[rows].cpu()[gen], rtol=0, atol=2e-5)
+        model.load_state_dict(live)
+    finally:
+        trainer.close()
+    assert stale == ({0} if mode == "sync" else {0, 1})
+    last = metrics[-1]
+    assert last["episode/turns_mean"] == 3.0 and last["episode/tool_calls_mean"] == 2.0
+    assert 0 < last["episode/env_token_frac"] < 1
+    for j in range(3):
+        assert f"mismatch/binary_tv_turn_{j}" in last and f"trust_region/masked_frac_turn_{j}" in last
+        assert last[f"rollout/staleness_turn_{j}"] == (0.0 if mode == "sync" else 1.0)
+    assert all(torch.isfinite(torch.tensor(m["loss/policy"])) for m in metrics)
+    samples = (tmp_path / "samples.jsonl").read_text()
+    assert "<tool [env]> result 1" in samples
