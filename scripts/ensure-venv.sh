@@ -43,5 +43,13 @@ fi
 INTEGRATIONS="$ROOT/requirements/integrations.txt"
 "${PIP[@]}" -r <(grep -v -- "# --no-deps" "$INTEGRATIONS") 2> >(grep -v "is ignored" >&2)
 "${PIP[@]}" --no-deps -r <(grep -- "# --no-deps" "$INTEGRATIONS") 2> >(grep -v "is ignored" >&2)
+# bubblewrap: the strongest layer of the sandbox behind the model's `python` tool (dppo/envs/sandbox.py,
+# docs/sandbox.md). Best effort, never fails the set-up: only when bwrap is missing, we are root and apt-get exists
+# (retried once after `apt-get update` on a machine without package lists). Without it the sandbox falls back to
+# `unshare`, then to rlimits only, and says so at start.
+if ! command -v bwrap >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } || true
+fi
 echo "$HASH" > "$STAMP"
 echo "[dppo] environment ready" >&2
