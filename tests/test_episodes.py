@@ -245,3 +245,51 @@ def test_trainer_runs_episodes_in_every_mode_and_mu_is_the_sampling_versions(tmp
     assert all(torch.isfinite(torch.tensor(m["loss/policy"])) for m in metrics)
     samples = (tmp_path / "samples.jsonl").read_text()
     assert "<tool [env]> result 1" in samples
+
+
+@pytest.mark.parametrize("region", sorted(__import__("dppo.trust_region", fromlist=["x"]).TRUST_REGIONS))
+def test_every_trust_region_trains_on_episodes(tmp_path, region):
+    """Each registered trust region (Top-K ones with µ's cells across turns) takes a finite step on episodes, every
+    trained parameter moves, and the masked share counts generated tokens only."""
+    from conftest import smoke_config
+    from dppo.train.trainer import Trainer
+
+    cfg = smoke_config(tmp_path, rollout={"max_new_tokens": 4}, loss={"trust_region": region, **({"relax_alpha": 0.1} if region == "ppo_clip_relax" else {})},
+                       env={"name": SCRIPTED, "options": '{"turns": 2}', "max_turns": 2, "max_tokens": 80},
+                       train={"threads": 1, "steps": 1, "mini_batches": 1, "epochs": 2})
+    with Trainer(cfg, tmp_path) as trainer:
+        before = [p.detach().clone() for p in trainer.params]
+        m = trainer.step()
+        assert all(not torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
+    assert torch.isfinite(torch.tensor(m["loss/policy"])) and 0 <= m["trust_region/masked_frac"] <= 1
+    assert m["episode/turns_mean"] == 2.0
+
+
+@pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
+def test_each_builtin_replays_its_demonstration_to_full_reward(name):
+    """The transcript `dppo sft` trains on is what the environment really answers, and it earns reward 1."""
+    from dppo.tasks import make_task
+
+    for example in make_task("chain_sum", size=3, eval_size=1, min_terms=4, max_terms=4, min_digits=3,
+                             max_digits=3).train:
+        env = make_environment(name)()
+        env.reset(example)
+        demo = env.demonstration(example)
+        replies = [m for m in demo if m["role"] == "assistant"]
+        answers = [m for m in demo if m["role"] != "assistant"]
+        got, reward = [], 0.0
+        for reply in replies:
+            step = env.step(reply["content"])
+            got += list(step.messages)
+            reward += step.reward
+        assert step.done and reward == 1.0 and got == answers
+
+
+def test_tool_errors_are_answers_and_counted():
+    env = make_environment("calculator")()
+    env.reset(EXAMPLES[0])
+    step = env.step('<tool_call>{"name": "calculate", "arguments": {"expression": "__import__(1)"}}</tool_call>'
+                    '<tool_call>{"name": "nope", "arguments": {}}</tool_call><tool_call>{bad json</tool_call>')
+    assert not step.done and len(step.messages) == 3 and all(m["role"] == "tool" for m in step.messages)
+    assert step.info["tool_calls"] == 3.0 and step.info["tool_errors"] == 3.0
+    assert env.step("The answer is 5").reward == 1.0

@@ -66,6 +66,11 @@ class Environment:
         """A good episode's messages after `reset(example)`'s (assistant turns and the environment's answers), or None."""
         return None
 
+    @staticmethod
+    def start_line() -> str | None:
+        """A line the trainer prints at start (e.g. the sandbox layer in use), or None."""
+        return None
+
 
 class ToolEnv(Environment):
     """An environment whose assistant may call `tools` (Hermes tool calls) before a final answer scored by `score`.

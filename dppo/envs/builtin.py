@@ -104,6 +104,13 @@ class PythonEnv(CalculatorEnv):
 
         self.tools = (python,)
 
+    @staticmethod
+    def start_line() -> str:
+        """What the trainer prints at start: the sandbox layer in use and, for a weak one, what it does not isolate."""
+        from dppo.envs.sandbox import describe_layer
+
+        return f"[dppo] python tool {describe_layer()}"
+
     def _call(self, example: Example) -> dict:
         return {"code": f"print({expression_of(example)})"}
 

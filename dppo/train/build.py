@@ -273,12 +273,13 @@ def episode_spec(cfg: Config):
     return EpisodeSpec(e.name, e.options_dict, max_turns=e.max_turns, max_tokens=e.max_tokens, env_timeout_s=e.timeout_s)
 
 
-def check_environment(cfg: Config, examples) -> None:
+def check_environment(cfg: Config, examples) -> str | None:
     """Before any model loads: the environment exists, takes its options, and its reset() answers the first training
-    example with well-formed messages (ValueError naming env.name otherwise)."""
+    example with well-formed messages (ValueError naming env.name otherwise). Returns the environment's start-up line
+    (the python tool's sandbox layer), if it has one."""
     spec = episode_spec(cfg)
     if spec is None:
-        return
+        return None
     from dppo.envs.base import check_messages
 
     try:
@@ -286,6 +287,8 @@ def check_environment(cfg: Config, examples) -> None:
         check_messages(env.reset(examples[0]), spec.env)
     except (TypeError, ValueError, KeyError) as err:
         raise ValueError(f"env.name: {err}") from err
+    line = getattr(env, "start_line", None)
+    return line() if callable(line) else None
 
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -149,7 +149,7 @@ class Trainer:
         check_rollout(cfg, resolve_device(cfg.model.device))  # before any model loads
         self.task = build_task(cfg)  # validates data before any model is loaded
         self.train_examples, self.eval_examples = list(self.task.train), list(self.task.eval)
-        check_environment(cfg, self.train_examples)  # env settings fail here, before any model loads
+        env_line = check_environment(cfg, self.train_examples)  # env settings fail here, before any model loads
         self.episodes = episode_spec(cfg)  # multi-turn episodes (None: single-turn responses)
         self.max_response_len = cfg.env.max_tokens if self.episodes is not None else cfg.rollout.max_new_tokens
         self.reward_runner = build_reward_runner(cfg, self.task)
@@ -177,6 +177,8 @@ class Trainer:
         self.logger = RunLogger.for_run(self.run_dir, cfg, start_step=self.step_idx, active=self.dist.is_main)
         announce = lambda line: print(line, flush=True) if self.dist.is_main else None  # noqa: E731
         announce_rollout(requested, announce)  # what `auto` chose and why (the resolved config only says what)
+        if env_line:
+            announce(env_line)
         # the engine (or the rollout workers) holding the current weights as version step_idx; with
         # rollout.engine_lag a resumed run's lag restarts from the resumed weights
         self.source = build_source(cfg, draw=self._draw, weights=self._engine_state(), version=self.step_idx,
