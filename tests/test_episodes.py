@@ -293,3 +293,38 @@ def test_tool_errors_are_answers_and_counted():
     assert not step.done and len(step.messages) == 3 and all(m["role"] == "tool" for m in step.messages)
     assert step.info["tool_calls"] == 3.0 and step.info["tool_errors"] == 3.0
     assert env.step("The answer is 5").reward == 1.0
+
+
+def test_in_flight_updates_episodes_span_versions_and_each_token_names_its_own(tmp_path):
+    """Async workers with in-flight updates: new weights arrive between decode chunks and between turns, so later
+    turns of an episode may be sampled by newer weights; µ of each generated token is that of the version it names,
+    and the episode counts as old as its oldest token."""
+    from conftest import smoke_config
+    from test_async import _Recording
+
+    cfg = smoke_config(tmp_path, rollout={"dtype": "float32", "max_new_tokens": 16, "mode": "async", "max_staleness": 1,
+                                          "worker_threads": 1, "worker_timeout_s": 60.0, "in_flight_updates": True},
+                       env={"name": SCRIPTED, "options": '{"turns": 4}', "max_turns": 4, "max_tokens": 200},
+                       train={"threads": 1, "steps": 4, "mini_batches": 1})
+    trainer = _Recording(cfg, tmp_path)
+    try:
+        for _ in range(4):
+            trainer.step()
+        model, live = trainer.model, {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
+        spans = 0
+        for step, batch in trainer.batches:
+            versions, gen = batch.extras["token_version"].cpu(), batch.loss_mask.cpu()
+            oldest = torch.where(gen, versions, torch.full_like(versions, 1 << 40)).amin(-1)
+            assert torch.equal(oldest, batch.weight_version.cpu()) and int((step - oldest).max()) <= 1
+            spans += int(sum(len(set(v[g].tolist())) > 1 for v, g in zip(versions, gen)))
+            for version in versions[gen].unique().tolist():
+                model.load_state_dict(trainer.versions[version])
+                with torch.no_grad():
+                    ref = score_responses_reference(model, batch.prompt_ids, batch.response_ids.cpu(),
+                                                    batch.response_mask.cpu())
+                at = gen & (versions == version)
+                assert torch.allclose(ref.logp[at], batch.rollout_logp.cpu()[at], rtol=0, atol=2e-5)
+        model.load_state_dict(live)
+    finally:
+        trainer.close()
+    print(f"episodes spanning versions: {spans}")

@@ -31,7 +31,8 @@ Layout of one episode (one `Rollout`; P = the first prompt's ids, rendered once 
 - An environment that raises, hangs (`env_timeout_s`) or returns a malformed step is contained: the episode ends
   with the rewards earned so far and the error is counted under the environment's name (`Rollout.episode`).
 - Versions: each token records the weight version that sampled it; an episode's `weight_version` is its
-  **oldest** generated token's, so its staleness is that of its stalest token.
+  **oldest** generated token's, so its staleness is that of its stalest token. With in-flight updates (an async
+  worker's `engine.between_chunks`), newer weights are also taken between turns, so an episode may span versions.
 """
 
 from __future__ import annotations
@@ -269,6 +270,9 @@ class EpisodeCollector:
         max_new = min(params.max_new_tokens, max(spec.max_tokens - len(ep.ids) for ep in active))
         turn_params = dataclasses.replace(params, n=1, max_new_tokens=max_new,
                                           seed=None if params.seed is None else params.seed + turn * _TURN_SEED_STRIDE)
+        poll = getattr(engine, "between_chunks", None)
+        if turn > 0 and poll is not None:  # in-flight updates: newer weights may arrive between turns too
+            poll()
         rollouts = engine.generate([ep.context() for ep in active], turn_params)
         for ep, r in zip(active, rollouts):
             room = spec.max_tokens - len(ep.ids)

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from dppo.rollout.base import SamplingParams
 from dppo.train.batch import RolloutBatch, collate
-from dppo.train.build import build_engine, build_model, build_reward_runner, build_task, trainable_state
+from dppo.train.build import build_engine, build_model, build_reward_runner, build_task, episode_spec, trainable_state
 from dppo.train.checkpoint import load_full_state, load_latest
 from dppo.train.config import Config
 from dppo.train.distributed import Dist
@@ -81,6 +81,8 @@ def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:
         source, ckpt = str(found[0]), found[1]
         load_checkpoint_weights(model, ckpt["weights"], found[0], flag="--run-dir")
     engine = build_engine(cfg, model)
+    spec = episode_spec(cfg)
+    sampler = engine if spec is None else _Episodes(engine, spec)
     try:
         temp = cfg.train.eval_temperature or cfg.rollout.temperature
         eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
@@ -88,6 +90,18 @@ def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:
                                 seed=cfg.train.seed)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return {"source": source, "task": cfg.task.name,
-                **evaluate(engine, tokenizer, runner, list(task.eval), params, pad_id=pad)}
+                **evaluate(sampler, tokenizer, runner, list(task.eval), params, pad_id=pad, episodes=spec is not None)}
     finally:
         getattr(engine, "close", lambda: None)()
+
+
+class _Episodes:
+    """An engine that runs the run's episodes (`dppo eval` with an `env` section): `generate(examples, params)`."""
+
+    def __init__(self, engine, spec) -> None:
+        from dppo.rollout.episodes import EpisodeCollector
+
+        self.engine, self.collect = engine, EpisodeCollector(spec)
+
+    def generate(self, examples, params: SamplingParams):
+        return self.collect(self.engine, examples, params)
