@@ -1,4 +1,4 @@
-"""The `dppo` command: train, eval, export, plot, presets.
+"""The `dppo` command: train, eval, export, plot, presets, sft.
 
     dppo train [--preset NAME] [--config FILE] [--run-dir DIR] [--resume DIR] [--no-hf] [--section.field VALUE ...]
     torchrun --nproc_per_node N -m dppo.cli train --run-dir DIR ...   (multi-process: see dppo/train/distributed.py)
@@ -6,6 +6,8 @@
     dppo export RUN_DIR [--step N] OUT [--merged]
     dppo plot  RUN_DIR [RUN_DIR ...] [--out FILE]
     dppo presets
+    dppo sft   [--preset NAME | --config FILE] --out DIR [--steps N] [--batch-size N] [--lr X] [--examples N]
+               [--overwrite] [--section.field VALUE ...]
     dppo sanity [--methods all|key|relax|delta|NAME[:field=value],...] [--seeds ...] [--steps N] [--lr LR]
                 [--engine-dtype bfloat16|float32] [--logit-noise SIGMA] [--quick]
     dppo diagnose [--model NAME] [--engine auto|hf|vllm] [--engine-dtype bfloat16] [--n-prompts N] ...
@@ -234,6 +236,78 @@ def cmd_presets(argv: list[str]) -> int:
     return 0
 
 
+def cmd_sft(argv: list[str]) -> int:
+    """A supervised warm start on the environment's demonstrations (dppo.studies.agent_sft), saved as a model folder
+    that `dppo train --model.name DIR` starts RL from."""
+    p = argparse.ArgumentParser(prog="dppo sft", add_help=False, description="Supervised warm start on the config's "
+                                "environment's demonstrations (the tool format), saved as a Hugging Face model folder. "
+                                "The preset (or --config) gives the model, the task and env.* ; other field flags "
+                                "(--model.name, --task.options, ...) override them as for `dppo train`.")
+    p.add_argument("--out", default=None, help="the model folder to write (required)")
+    p.add_argument("--steps", type=int, default=40, help="optimiser steps (default 40)")
+    p.add_argument("--batch-size", dest="batch_size", type=int, default=8, help="transcripts per step (default 8)")
+    p.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
+    p.add_argument("--examples", type=int, default=0, help="train on the first N training examples (default: all)")
+    p.add_argument("--log-every", dest="log_every", type=int, default=5, help="print the loss every N steps (0 = never)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("-h", "--help", action="store_true")
+    args, rest = p.parse_known_args(argv)
+    if args.help:
+        p.print_help()
+        print("\n" + _TOP.split("\n  --run-dir")[0])
+        return 0
+    if not args.out:
+        raise ConfigError("--out: required (the model folder to write)")
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise ConfigError(f"{flag}: expected >= 1, got {value}")
+    if not args.lr > 0:
+        raise ConfigError(f"--lr: expected > 0, got {args.lr}")
+    if args.examples < 0:
+        raise ConfigError(f"--examples: expected >= 0, got {args.examples}")
+    cfg, ns, label = parse_config(rest, prog="dppo sft", resume=False)
+    if not cfg.env.name:
+        raise ConfigError("env.name: dppo sft trains on an environment's demonstrations; give a preset with an "
+                          "environment (calculator, python_tool, feedback) or --env.name")
+    out = Path(args.out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not args.overwrite:
+        raise ConfigError(f"--out: {out} already exists (give another folder, or --overwrite to replace it)")
+    import time
+
+    import torch
+
+    from dppo.envs import make_environment
+    from dppo.studies.agent_sft import agent_sft, save_model
+    from dppo.train.build import build_model, build_task, check_environment
+
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+    task = build_task(cfg)
+    examples = list(task.train)[: args.examples or None]
+    check_environment(cfg, examples)
+    factory = make_environment(cfg.env.name, **cfg.env.options_dict)
+    model, tokenizer, _ = build_model(cfg)
+    print(f"[dppo] sft: {cfg.model.name} on {len(examples)} {cfg.env.name!r} demonstrations of {cfg.task.name}, "
+          f"{args.steps} steps x {args.batch_size}, lr {args.lr:g}", flush=True)
+    t0 = time.perf_counter()
+    losses = agent_sft(model, tokenizer, factory, examples, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                       seed=cfg.train.seed, log_every=args.log_every)
+    seconds = time.perf_counter() - t0
+    if hasattr(model, "merge_and_unload"):  # LoRA: a plain model folder, the adapter merged in
+        model = model.merge_and_unload()
+    save_model(model, tokenizer, out, overwrite=args.overwrite)
+    info = {"config": label, "model": cfg.model.name, "env": cfg.env.name, "task": cfg.task.name,
+            "task_options": cfg.task.options_dict, "examples": len(examples), "steps": args.steps,
+            "batch_size": args.batch_size, "lr": args.lr, "seconds": round(seconds, 1), "losses": losses}
+    write_atomic(out, out / "sft.json", json.dumps(info, indent=2))
+    start = f"--config {ns.config}" if ns.config else f"--preset {ns.preset or 'demo'}"
+    print(f"[dppo] sft: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {seconds:.0f}s")
+    print(f"[dppo] model:         {out}")
+    print(f"[dppo] start RL from it: dppo train {start} --model.name {out}")
+    return 0
+
+
 def cmd_diagnose(argv: list[str]) -> int:
     from dppo.studies.diagnose.cli import cmd_diagnose as run
 
@@ -247,7 +321,7 @@ def cmd_sanity(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot, "presets": cmd_presets,
-            "diagnose": cmd_diagnose, "sanity": cmd_sanity}
+            "diagnose": cmd_diagnose, "sanity": cmd_sanity, "sft": cmd_sft}
 ONE_LINE = {ConfigError: 2, InputError: 2, DistributedError: 2, RunDirError: 1, CheckpointError: 1}
 """The errors `main` prints as one line (the message names the culprit), with their exit status."""
 

@@ -52,8 +52,50 @@ def _method(**loss) -> Callable[[], Config]:
     return preset
 
 
+CHAIN_SUM_TOOLS = '{"min_terms": 4, "max_terms": 5, "min_digits": 3, "max_digits": 3}'
+"""Sums a 135M model cannot do in its head (4-5 terms of 3 digits), so the tool is what makes it right."""
+CHAIN_SUM_RETRY = '{"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits": 2}'
+
+
+def calculator() -> Config:
+    """SmolLM2-135M with a `calculate` tool on 4-5 three-digit terms, sized for a 2-core CPU. Start from a warm start
+    on the environment's demonstrations (`dppo sft --preset calculator --out runs/calc-sft`, then `dppo train
+    --preset calculator --model.name runs/calc-sft`): the base model rarely writes a valid tool call. A tool call
+    is 40-50 SmolLM2 tokens (5 terms: 49 + EOS), so 56 per turn; an episode (call, result, answer) is ~65 tokens
+    of the 160 allowed, room for one retry after a tool error."""
+    return replace(
+        Config(),
+        model={"dtype": "float32"},
+        rollout={"engine": "hf", "dtype": "float32", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 56},
+        task={"name": "chain_sum", "options": CHAIN_SUM_TOOLS, "size": 400, "eval_size": 32},
+        env={"name": "calculator", "max_turns": 3, "max_tokens": 160},
+        optim={"lr": 2e-5},
+        train={"steps": 12, "micro_batch_size": 16},
+    )
+
+
+def python_tool() -> Config:
+    """The calculator preset with a sandboxed `python` tool instead (the model writes print(<expression>))."""
+    return replace(calculator(), env={"name": "python"})
+
+
+def feedback() -> Config:
+    """SmolLM2-135M on chain_sum (2-3 two-digit terms) with retries: a wrong answer is told to try again (up to 3
+    turns), a right one on attempt j earns 0.5 ** j. No tools, so short turns."""
+    return replace(
+        calculator(),
+        rollout={"max_new_tokens": 16},
+        task={"options": CHAIN_SUM_RETRY, "size": 2000, "eval_size": 64},
+        env={"name": "feedback", "max_turns": 3, "max_tokens": 96},
+        train={"steps": 20},
+    )
+
+
 PRESETS: dict[str, tuple[Callable[[], Config], str]] = {
     "demo": (demo, "SmolLM2-135M + DPPO-Binary-TV on chain_sum (2 one-digit terms); the default of `dppo train`"),
+    "calculator": (calculator, "SmolLM2-135M + a calculate tool on 4-5 three-digit terms (after `dppo sft`); 2-core CPU"),
+    "python_tool": (python_tool, "the calculator preset with a sandboxed python tool"),
+    "feedback": (feedback, "SmolLM2-135M on 2-3 two-digit terms; a wrong answer gets 'try again' (3 turns)"),
     "smoke": (smoke, "tiny random model, addition task, 3 steps; finishes in seconds"),
     "paper-sanity": (paper_sanity, "paper's stability-test shape scaled down: 16x8, 4 mini-batches per batch"),
     "dppo-binary-tv": (_method(trust_region="dppo_binary_tv"), "DPPO, Binary-TV, delta 0.15 (= demo)"),
