@@ -244,9 +244,10 @@ def cmd_sft(argv: list[str]) -> int:
                                 "The preset (or --config) gives the model, the task and env.* ; other field flags "
                                 "(--model.name, --task.options, ...) override them as for `dppo train`.")
     p.add_argument("--out", default=None, help="the model folder to write (required)")
-    p.add_argument("--steps", type=int, default=40, help="optimiser steps (default 40)")
+    p.add_argument("--steps", type=int, default=3, help="optimiser steps (default 3: SmolLM2's loss on the calculator's "
+                   "transcripts falls 0.83 -> 0.11, leaving RL room; 8 steps at lr 5e-5 reach 5e-4)")
     p.add_argument("--batch-size", dest="batch_size", type=int, default=8, help="transcripts per step (default 8)")
-    p.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (default 5e-5)")
+    p.add_argument("--lr", type=float, default=3e-5, help="peak learning rate (default 3e-5)")
     p.add_argument("--examples", type=int, default=0, help="train on the first N training examples (default: all)")
     p.add_argument("--log-every", dest="log_every", type=int, default=5, help="print the loss every N steps (0 = never)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

@@ -58,11 +58,11 @@ CHAIN_SUM_RETRY = '{"min_terms": 2, "max_terms": 3, "min_digits": 2, "max_digits
 
 
 def calculator() -> Config:
-    """SmolLM2-135M with a `calculate` tool on 4-5 three-digit terms, sized for a 2-core CPU. Start from a warm start
-    on the environment's demonstrations (`dppo sft --preset calculator --out runs/calc-sft`, then `dppo train
-    --preset calculator --model.name runs/calc-sft`): the base model rarely writes a valid tool call. A tool call
-    is 40-50 SmolLM2 tokens (5 terms: 49 + EOS), so 56 per turn; an episode (call, result, answer) is ~65 tokens
-    of the 160 allowed, room for one retry after a tool error."""
+    """SmolLM2-135M with a `calculate` tool on 4-5 three-digit terms (sums and differences), sized for a 2-core CPU.
+    Start from a warm start on the environment's demonstrations (`dppo sft --preset calculator --out runs/calc-sft`:
+    3 steps x 8 at lr 3e-5; then `dppo train --preset calculator --model.name runs/calc-sft`): the base model never
+    calls the tool (pass@1 0 with or without it). A tool call is 44-49 SmolLM2 tokens with its EOS (python: 46-51),
+    so 56 per turn; an episode (call, result, answer) is at most 70 tokens of the 160 allowed, room for a retry."""
     return replace(
         Config(),
         model={"dtype": "float32"},
@@ -81,12 +81,12 @@ def python_tool() -> Config:
 
 def feedback() -> Config:
     """SmolLM2-135M on chain_sum (2-3 two-digit terms) with retries: a wrong answer is told to try again (up to 3
-    turns), a right one on attempt j earns 0.5 ** j. No tools, so short turns."""
+    turns), a right one on attempt j earns 0.5 ** j. No tools: 24 tokens a turn, as the demo."""
     return replace(
         calculator(),
-        rollout={"max_new_tokens": 16},
+        rollout={"max_new_tokens": 24},
         task={"options": CHAIN_SUM_RETRY, "size": 2000, "eval_size": 64},
-        env={"name": "feedback", "max_turns": 3, "max_tokens": 96},
+        env={"name": "feedback", "max_turns": 3, "max_tokens": 128},
         train={"steps": 20},
     )
 
