@@ -84,6 +84,19 @@ def test_ids_are_the_chat_templates_transcript_and_only_sampled_tokens_are_train
     assert 0 < cut < 12  # both kinds of turn end occurred: the stop token and the max_new_tokens cut
 
 
+def test_a_turn_ended_by_another_stop_token_still_gets_the_templates_end_of_turn(model, tokenizer):
+    stops = tuple(tokenizer.convert_tokens_to_ids(list("0123456789aeiou")))
+    rollouts = EpisodeCollector(EpisodeSpec(SCRIPTED, {"turns": 3}, max_turns=3, max_tokens=200))(
+        HFEngine(model, tokenizer), EXAMPLES, params(stop_token_ids=(1,) + stops, max_new_tokens=12))
+    other = 0
+    for r in rollouts:
+        ids = torch.cat([r.prompt_ids, r.response_ids]).tolist()
+        tail = "\n" if ids[-1] == tokenizer.eos_token_id else "<|im_end|>\n"
+        assert tokenizer.decode(ids) + tail == tokenizer.apply_chat_template(r.episode["messages"], tokenize=False)
+        other += sum(int(t) in stops for t in r.response_ids[r.loss_mask])
+    assert other > 0  # some turns really ended on a stop id that is not the EOS
+
+
 def test_mu_and_its_topk_are_the_sampling_distribution_and_the_trainers_pi_is_a_plain_forward(plain, tiny_model):
     model, batch = tiny_model, collate(plain, pad_id=0)
     ref = score_responses_reference(model, batch.prompt_ids, batch.response_ids, batch.response_mask,

@@ -46,7 +46,9 @@ import torch
 
 from dppo.rollout.base import Rollout, SamplingParams
 
-_TURN_SEED_STRIDE = 1 << 36
+_TURN_SEED_MULT = 0x5851F42D4C957F2D
+"""Turn t samples with seed (seed + t·this) mod 2^62: an odd multiplier, so no turn's seed is another share's
+(async shares add 2^40) or rank's (2^32) seed."""
 _BASE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
 
 
@@ -269,7 +271,7 @@ class EpisodeCollector:
             return
         max_new = min(params.max_new_tokens, max(spec.max_tokens - len(ep.ids) for ep in active))
         turn_params = dataclasses.replace(params, n=1, max_new_tokens=max_new,
-                                          seed=None if params.seed is None else params.seed + turn * _TURN_SEED_STRIDE)
+                                          seed=None if params.seed is None else (params.seed + turn * _TURN_SEED_MULT) % (1 << 62))
         poll = getattr(engine, "between_chunks", None)
         if turn > 0 and poll is not None:  # in-flight updates: newer weights may arrive between turns too
             poll()
@@ -282,8 +284,10 @@ class EpisodeCollector:
             ep.turns += 1
             reply = self._delta.tokenizer.decode(r.response_ids.tolist(), skip_special_tokens=True)
             ep.messages.append({"role": "assistant", "content": reply})
-            ep.stopped = r.finish_reason != "length"
-            ep.stats["turns_truncated"] += float(not ep.stopped)
+            # the template ends an assistant turn with the tokenizer's EOS: a turn cut by max_new_tokens, or ended by
+            # another stop id, gets it inserted (mask 0) before the boundary
+            ep.stopped = bool(r.response_ids.numel()) and int(r.response_ids[-1]) == self._delta.tokenizer.eos_token_id
+            ep.stats["turns_truncated"] += float(r.finish_reason == "length")
         self._answer([ep for ep in active if not ep.done])
 
     def _answer(self, episodes: list[_Episode]) -> None:
