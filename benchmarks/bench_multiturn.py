@@ -14,7 +14,10 @@ model samples. Engine: the hf engine built from an `EngineSpec` (float32, `--thr
 collector then inserts the stop token and the template's boundary as environment tokens (mask 0), and the
 re-tokenising loop gets the same end-of-turn from the chat template. Both designs make one batched
 `engine.generate` call per turn over all active episodes, with the same sampling parameters and the same seed per
-turn (`seed + turn * 2**36`, as the collector does), so two identical contexts sample identical tokens.
+turn (`dppo.rollout.episodes.turn_seed`, as the collector does), so two identical contexts sample identical tokens
+with the hf engine. `--engine vllm` runs both designs on vLLM instead, whose prefix cache (on by default) reuses the
+KV of a prompt's longest cached prefix: token in, token out hands it exactly the ids it cached at the previous
+turn, while a re-tokenised prompt shares the cached prefix only up to the first turn whose ids drifted.
 
 (a) **token in, token out**: `EpisodeCollector(spec)(engine, examples, params)` as built (dppo.rollout.episodes):
     each turn the engine gets the episode's ids so far; environment messages are tokenised alone (`ChatDelta`).
@@ -134,7 +137,7 @@ def run_token_in_token_out(collector, engine, examples, params) -> dict:
 
 def run_retokenising(spec, engine, examples, params) -> dict:
     """(b): the same episodes, re-rendering and re-tokenising the whole transcript every turn."""
-    from dppo.rollout.episodes import _TURN_SEED_STRIDE  # the collector's seed per turn: the same samples
+    from dppo.rollout.episodes import turn_seed  # the collector's seed per turn: the same samples
 
     tokenizer, factory = engine.tokenizer, spec.factory()
     timed = TimedEngine(engine)
@@ -153,8 +156,7 @@ def run_retokenising(spec, engine, examples, params) -> dict:
         prompts = [render(tokenizer, ep["messages"], generation_prompt=True) for ep in active]
         for ep, prompt in zip(active, prompts):
             ep["last_prompt"] = prompt
-        turn_params = dataclasses.replace(params, n=1, seed=None if params.seed is None
-                                          else params.seed + turn * _TURN_SEED_STRIDE)
+        turn_params = dataclasses.replace(params, n=1, seed=turn_seed(params.seed, turn))
         for ep, r in zip(active, timed.generate(prompts, turn_params)):
             ids = r.response_ids.tolist()
             ep["generated"].append(ids)
@@ -275,6 +277,7 @@ def compare_sources(spec, espec, weights, examples, params, steps: int, threads:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-random", help="tiny-random or smollm2-135m")
+    ap.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="the rollout engine of (a) and (b)")
     ap.add_argument("--tiny-hidden", type=int, default=128)
     ap.add_argument("--turns", default="1,4,16", help="comma-separated turns per episode")
     ap.add_argument("--episodes", type=int, default=32, help="episodes per batch (examples x --group)")
@@ -299,10 +302,16 @@ def main() -> None:
     examples = [Example(prompt=({"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" (#{i})"},), answer="0")
                 for i in range(n_examples)]
     mspec = ModelSpec(args.model, tiny_hidden=args.tiny_hidden)
-    espec = EngineSpec(mspec, kind="hf", dtype="float32", device="cpu", seed=0)
+    espec = EngineSpec(mspec, kind=args.engine, dtype="float32", device="cpu", seed=0,
+                       vllm={"kv_cache_gb": 1.0} if args.engine == "vllm" else {})
     engine = build_engine(espec)
     engine.eos_ids = set()  # every turn exactly --new tokens, ending by length
-    weights = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    if args.engine == "hf":
+        weights = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    else:
+        from dppo.runtime.models import load
+
+        weights = {k: v.detach().clone() for k, v in load(mspec, dtype=torch.float32)[0].state_dict().items()}
     params = SamplingParams(n=args.group, temperature=1.0, max_new_tokens=args.new, seed=1234)
     turns_list = [int(t) for t in args.turns.split(",")]
     results = []
@@ -315,7 +324,7 @@ def main() -> None:
         results.append(row)
         print(f"  {turns} turns: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} thread(s); model {args.model}"
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} thread(s); engine {args.engine}; model {args.model}"
           f"{f' (hidden {args.tiny_hidden})' if args.model == 'tiny-random' else ''}; {args.episodes} episodes "
           f"({n_examples} examples x {args.group}), {args.new} tokens per turn, env message {args.env_chars} chars; "
           f"medians of {args.repeats} rounds")
@@ -353,7 +362,7 @@ def main() -> None:
         print(f"target: token-in-token-out >= {TARGET_RATIO}x the re-tokenising loop's episodes/s at 16 turns: "
               f"{at16:.2f}x ({'met' if at16 >= TARGET_RATIO else 'NOT met'})")
     print(json.dumps({"benchmark": "multiturn", "cpu": cpu_name(), "threads": torch.get_num_threads(),
-                      "model": args.model, "tiny_hidden": args.tiny_hidden if args.model == "tiny-random" else None,
+                      "engine": args.engine, "model": args.model, "tiny_hidden": args.tiny_hidden if args.model == "tiny-random" else None,
                       "episodes": args.episodes, "group": args.group, "new_tokens": args.new,
                       "env_chars": args.env_chars, "repeats": args.repeats, "target_ratio_16": TARGET_RATIO,
                       "ratio_16": at16, "results": results}))

@@ -47,8 +47,12 @@ import torch
 from dppo.rollout.base import Rollout, SamplingParams
 
 _TURN_SEED_MULT = 0x5851F42D4C957F2D
-"""Turn t samples with seed (seed + t·this) mod 2^62: an odd multiplier, so no turn's seed is another share's
-(async shares add 2^40) or rank's (2^32) seed."""
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The sampling seed of turn `turn`: (seed + turn·m) mod 2^62 with m odd, so no turn's seed is another async
+    share's (which adds 2^40) or another rank's (2^32)."""
+    return None if seed is None else (seed + turn * _TURN_SEED_MULT) % (1 << 62)
 _BASE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
 
 
@@ -271,7 +275,7 @@ class EpisodeCollector:
             return
         max_new = min(params.max_new_tokens, max(spec.max_tokens - len(ep.ids) for ep in active))
         turn_params = dataclasses.replace(params, n=1, max_new_tokens=max_new,
-                                          seed=None if params.seed is None else (params.seed + turn * _TURN_SEED_MULT) % (1 << 62))
+                                          seed=turn_seed(params.seed, turn))
         poll = getattr(engine, "between_chunks", None)
         if turn > 0 and poll is not None:  # in-flight updates: newer weights may arrive between turns too
             poll()
@@ -351,4 +355,4 @@ def transcript(messages: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ChatDelta", "EpisodeCollector", "EpisodeSpec", "transcript"]
+__all__ = ["ChatDelta", "EpisodeCollector", "EpisodeSpec", "transcript", "turn_seed"]
