@@ -170,7 +170,7 @@ def agent_sft(
             raise ValueError(f"{name}: expected >= 1, got {value}")
     if not lr > 0:
         raise ValueError(f"lr: expected > 0, got {lr}")
-    data = build_transcripts(tokenizer, env_factory, list(examples), name=getattr(env_factory, "__name__", "environment"))
+    data = build_transcripts(tokenizer, env_factory, list(examples), name=type(env_factory()).__name__)
     rng = random.Random(seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     warm = max(1, steps // 10) if warmup_steps is None else max(1, warmup_steps)
