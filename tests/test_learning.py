@@ -54,3 +54,39 @@ def test_dppo_raises_training_reward(warm_model, tmp_path):
     print(f"training reward {start:.3f} -> {end:.3f}; eval {results['eval_before']} -> {results['eval_after']}")
     assert 0.02 < start < 0.7, f"warm start not in the learnable range: {start:.3f}"
     assert end >= start + 0.08, f"reward did not rise enough: {start:.3f} -> {end:.3f}"
+
+
+@pytest.fixture(scope="module")
+def warm_chat_model(tmp_path_factory):
+    """The tiny model warm-started by `dppo.studies.agent_sft` on the feedback environment's demonstrations: the
+    episode layout (chat template, the answer and EOS as the assistant turn), as RL will see it."""
+    from dppo.envs import make_environment
+    from dppo.studies.agent_sft import agent_sft
+
+    tok = char_tokenizer()
+    task = make_task("addition", digits=1, size=80, eval_size=20, seed=0)
+    model = tiny_random_model(tok, hidden_size=128, num_layers=2, seed=0)
+    agent_sft(model, tok, make_environment("feedback"), list(task.train), steps=40, batch_size=64, lr=3e-3, seed=0)
+    folder = tmp_path_factory.mktemp("warm-chat") / "model"
+    save_model(model, tok, folder)
+    return folder
+
+
+def test_dppo_raises_the_reward_of_multi_turn_retries(warm_chat_model, tmp_path):
+    """The `feedback` environment (a wrong answer is told to try again, up to 3 turns; reward 0.5^attempt) on the
+    warm-started tiny model: DPPO over whole episodes, generated tokens only, raises the training reward."""
+    cfg = replace(learning_config(warm_chat_model, tmp_path), rollout={"dtype": "float32", "max_new_tokens": 4},
+                  env={"name": "feedback", "max_turns": 3, "max_tokens": 160}, train={"steps": 40, "eval_before": False})
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in rows]
+    start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    turns = [r["episode/turns_mean"] for r in rows]
+    print(f"feedback: training reward {start:.3f} -> {end:.3f}; turns {turns[0]:.2f} -> {turns[-1]:.2f}")
+    assert rows[0]["episode/env_token_frac"] > 0.3  # the retries are really there, and not trained
+    assert end >= start + 0.06, f"reward did not rise enough: {start:.3f} -> {end:.3f}"  # (measured +0.098)
+    assert turns[-1] < turns[0]  # right earlier: fewer retries
