@@ -341,3 +341,43 @@ def test_in_flight_updates_episodes_span_versions_and_each_token_names_its_own(t
     finally:
         trainer.close()
     print(f"episodes spanning versions: {spans}")
+
+
+def test_the_hf_engines_prefix_cache_prefills_only_new_tokens_and_changes_nothing(tiny_model, tokenizer, monkeypatch):
+    """Episodes turn on the hf engine's prefix cache: later turns run only their new tokens through the model, and
+    every sampled id and µ equals a run without the cache (per turn: the same seed, the same distribution)."""
+    fed = {"on": 0, "off": 0}
+    runs = {}
+    for mode in ("on", "off"):
+        engine = HFEngine(tiny_model, tokenizer)
+        if mode == "off":
+            engine.enable_prefix_cache = None  # (the collector then leaves the cache off)
+        forward = engine.model.forward
+
+        def counting(*a, input_ids=None, mode=mode, **k):
+            fed[mode] += int(input_ids.numel())
+            return forward(*a, input_ids=input_ids, **k)
+
+        monkeypatch.setattr(engine.model, "forward", counting)
+        runs[mode] = EpisodeCollector(EpisodeSpec(SCRIPTED, {"turns": 4}, max_turns=4, max_tokens=300))(
+            engine, EXAMPLES, params(max_new_tokens=8))
+        assert engine._prefix is None  # off again after the episodes
+    for a, b in zip(runs["on"], runs["off"]):
+        assert torch.equal(a.response_ids, b.response_ids)
+        assert torch.allclose(a.rollout_logp, b.rollout_logp, rtol=0, atol=2e-5)
+    print(fed)
+    assert fed["on"] < 0.6 * fed["off"], fed
+
+
+def test_new_weights_clear_the_prefix_cache(tiny_model, make_tiny_model, tokenizer):
+    engine = HFEngine(tiny_model, tokenizer)
+    engine.enable_prefix_cache(10_000)
+    first = engine.generate([[5, 6, 7]], params(n=1))[0]
+    assert engine._prefix.entries
+    engine.load_weights(make_tiny_model(seed=1).state_dict())
+    assert not engine._prefix.entries
+    again = engine.generate([[5, 6, 7] + first.response_ids.tolist() + [9]], params(n=1))[0]
+    fresh = HFEngine(make_tiny_model(seed=1), tokenizer).generate([[5, 6, 7] + first.response_ids.tolist() + [9]],
+                                                                   params(n=1))[0]
+    assert torch.equal(again.response_ids, fresh.response_ids)
+    assert torch.allclose(again.rollout_logp, fresh.rollout_logp, rtol=0, atol=2e-5)

@@ -18,6 +18,8 @@ Layout of one episode (one `Rollout`; P = the first prompt's ids, rendered once 
   synthetic conversation with and without them (`ChatDelta`); the template's boundary tokens after the stop token
   (ChatML's `\\n` after `<|im_end|>`) are inserted with mask 0. Nothing is ever re-tokenised, so the cost per turn
   is the appended text only, and what the template would render for the whole transcript is checked in the tests.
+  Because each turn's prompt is exactly the previous turn's ids plus new ones, the hf engine's prefix cache
+  (enabled for the episodes of a call) prefills only the new tokens: the KV of earlier turns is reused.
 - A template whose rendering of earlier messages changes when a message is appended (one that rewrites history)
   cannot be extended this way: `ChatDelta` refuses it by name at start, before any model runs.
 - Environment tokens have `loss_mask` 0, `rollout_logp` 0 and µ's top-K cells invalid; the trainer counts only
@@ -254,11 +256,18 @@ class EpisodeCollector:
                 schemas = [tool_schema(fn) for fn in getattr(env, "tools", ())]
                 ep.prompt_ids = self._delta.prompt(ep.messages, schemas)
                 episodes.append(ep)
-        for turn in range(spec.max_turns):
-            active = [ep for ep in episodes if not ep.done]
-            if not active:
-                break
-            self._turn(engine, active, params, turn)
+        cache = getattr(engine, "enable_prefix_cache", None)  # the hf engine: later turns prefill only new tokens
+        if cache is not None:
+            cache(sum(len(ep.prompt_ids) + spec.max_tokens for ep in episodes))
+        try:
+            for turn in range(spec.max_turns):
+                active = [ep for ep in episodes if not ep.done]
+                if not active:
+                    break
+                self._turn(engine, active, params, turn)
+        finally:
+            if cache is not None:
+                cache(0)
         for ep in episodes:
             if not ep.done:  # max_turns reached without the environment ending it
                 ep.end("length")

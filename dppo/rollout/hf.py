@@ -20,6 +20,12 @@ How it samples (one `generate` call):
 - top_p / top_k (without top-K capture) are supported: tokens outside the truncated set get probability 0 and
   `rollout_logp` is the log-prob under the truncated, renormalised distribution that was actually sampled.
 
+Prefix cache (off unless `enable_prefix_cache(max_tokens)`; multi-turn episodes turn it on): the KV of every
+sequence a call generated (its prompt and response, up to the last token fed) is kept, by token ids, and a later
+prompt that extends one (the next turn of an episode: the same ids plus the environment's answer) prefills only
+its new tokens on top of it. Least recently used sequences are dropped past `max_tokens` cached positions; new
+weights clear it. Only models whose layers are all full attention use it.
+
 The engine holds its own copy of the weights (in `dtype` if given, else the model's dtype);
 `load_weights` copies new weights into it in place and increments `weight_version`. With `between_chunks` set
 (in-flight weight updates of an asynchronous rollout worker), new weights can arrive between decode chunks; the
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
 from copy import deepcopy as copy_module
 
 import torch
@@ -94,6 +101,7 @@ class HFEngine:
         (via `load_weights`), and the engine recomputes the KV cache of every unfinished response under them, so
         each later token is sampled from the new weights' exact distribution (`Rollout.token_versions` says
         which weights sampled each token)."""
+        self._prefix: _PrefixCache | None = None
         self.max_logprobs = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = getattr(model.config, "max_position_embeddings", None)
         self._generator = torch.Generator().manual_seed(seed)
@@ -102,6 +110,14 @@ class HFEngine:
             raise ValueError("tokenizer: no EOS token id found in the tokenizer or the model's generation config")
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else min(self.eos_ids)
+
+    def enable_prefix_cache(self, max_tokens: int) -> None:
+        """Keep the KV of generated sequences (up to `max_tokens` positions) for prompts that extend them; 0 = off."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens: expected >= 0, got {max_tokens}")
+        full = all(t == "full_attention" for t in getattr(self.model.config.get_text_config(decoder=True),
+                                                           "layer_types", None) or ["full_attention"])
+        self._prefix = _PrefixCache(max_tokens) if max_tokens and full else None
 
     # --- the Engine protocol -------------------------------------------------------------------------------
 
@@ -144,6 +160,8 @@ class HFEngine:
                 if dst.data_ptr() != src.data_ptr():
                     dst.copy_(src)
         self.weight_version += 1
+        if self._prefix is not None:  # cached KV was computed by the old weights
+            self._prefix.clear()
 
     def close(self) -> None:
         """Drop the model (the engine cannot generate afterwards)."""
@@ -188,6 +206,8 @@ class HFEngine:
                 if done == len(rows):
                     break
                 if done > 0:  # drop finished rows from the batch and its cache
+                    if self._prefix is not None:
+                        self._save(prompt_ids, params.n, rows, finished, cache, attn, tokens, stop_ids, fed=t)
                     keep = (~finished).nonzero().squeeze(1)
                     cache.batch_select_indices(keep)
                     rows, tok, attn, next_pos = rows[keep], tok[keep], attn[keep], next_pos[keep]
@@ -202,7 +222,26 @@ class HFEngine:
                         use_cache=True)
             logits, cache = out.logits[:, -1], out.past_key_values
             next_pos = next_pos + 1
+        if self._prefix is not None:
+            self._save(prompt_ids, params.n, rows, torch.ones_like(finished), cache, attn, tokens, stop_ids, fed=t)
         return tokens, logp, (topk_ids, topk_logp) if K else None, versions
+
+    def _save(self, prompt_ids, n: int, rows: Tensor, which: Tensor, cache, attn: Tensor, tokens: Tensor,
+              stop_ids: Tensor, *, fed: int) -> None:
+        """Keep the KV of the active rows `which` (prompt + response up to its last token fed: `fed` tokens of each
+        row were fed so far, the response ends at its first stop token) in the prefix cache."""
+        for i in which.nonzero().squeeze(1).tolist():
+            r = int(rows[i])
+            resp = tokens[r, :fed + 1]
+            stop = torch.isin(resp, stop_ids).nonzero()
+            length = min(int(stop[0]) + 1 if len(stop) else fed + 1, fed + 1)  # the response's tokens sampled so far
+            keep = min(length - 1, fed)  # its last token has no KV yet
+            seq = tuple(prompt_ids[r // n]) + tuple(tokens[r, :keep].tolist())
+            real = attn[i].bool()
+            kv = [(layer.keys[i][:, real][:, :len(seq)].clone(), layer.values[i][:, real][:, :len(seq)].clone())
+                  for layer in cache.layers]
+            if kv and kv[0][0].shape[1] == len(seq):
+                self._prefix.store(seq, kv)
 
     def _reprefill(self, prompt_ids: list[list[int]], n: int, rows: Tensor, generated: Tensor, extra: int):
         """The last logits, KV cache and attention mask of the responses `rows` (prompt + `generated` so far),
@@ -215,7 +254,11 @@ class HFEngine:
         cache and the attention mask [B, L], expanded to the B = len(prompt_ids) * n rows (prompt-major)."""
         distinct: dict[tuple[int, ...], int] = {}
         source = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
-        logits, cache, attn = self._forward_left_padded([list(p) for p in distinct], capacity_extra)
+        hits = [self._prefix.lookup(p) for p in distinct] if self._prefix is not None else []
+        if any(h is not None for h in hits):
+            logits, cache, attn = self._forward_on_prefixes([list(p) for p in distinct], hits, capacity_extra)
+        else:
+            logits, cache, attn = self._forward_left_padded([list(p) for p in distinct], capacity_extra)
         row_source = torch.tensor(source, device=self.device).repeat_interleave(n)
         cache.batch_select_indices(row_source)  # rows share their prompt's prefill
         return logits[row_source], cache, attn[row_source]
@@ -232,6 +275,36 @@ class HFEngine:
         input_ids, attn = input_ids.to(self.device), attn.to(self.device)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0 whatever the padding
         cache = _make_cache(self.model, capacity=L + capacity_extra)
+        out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1], out.past_key_values, attn
+
+    def _forward_on_prefixes(self, seqs: list[list[int]], hits: list, capacity_extra: int):
+        """Like `_forward_left_padded`, but each sequence with a cached prefix (hits[i] = its KV per layer) runs only
+        its new tokens on top of it. Layout of row i: [pad, cached prefix (c_i)] [pad, new tokens (s_i)], padding
+        masked out and positions counting real tokens, so the logits are those of the whole sequence."""
+        N, device = len(seqs), self.device
+        cached = [0 if h is None else h[0][0].shape[1] for h in hits]
+        C, S = max(cached), max(len(q) - c for q, c in zip(seqs, cached))
+        cache = _make_cache(self.model, capacity=C + S + capacity_extra)
+        ref = next(h for h in hits if h is not None)[0]
+        for layer in range(len(cache.layers)):
+            k = ref[0].new_zeros((N,) + ref[0].shape[:1] + (C,) + ref[0].shape[2:])
+            v = ref[1].new_zeros((N,) + ref[1].shape[:1] + (C,) + ref[1].shape[2:])
+            for i, h in enumerate(hits):
+                if h is not None:
+                    k[i, :, C - cached[i]:], v[i, :, C - cached[i]:] = h[layer]
+            cache.layers[layer].update(k.to(device), v.to(device))
+        input_ids = torch.full((N, S), self.pad_id, dtype=torch.long)
+        positions = torch.zeros((N, S), dtype=torch.long)
+        attn = torch.zeros((N, C + S), dtype=torch.long)
+        for i, (q, c) in enumerate(zip(seqs, cached)):
+            new = q[c:]
+            input_ids[i, S - len(new):] = torch.tensor(new)
+            positions[i, S - len(new):] = torch.arange(c, c + len(new))
+            attn[i, C - c:C] = 1
+            attn[i, C + S - len(new):] = 1
+        input_ids, positions, attn = input_ids.to(device), positions.to(device), attn.to(device)
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1], out.past_key_values, attn
@@ -270,6 +343,42 @@ class HFEngine:
                 )
             )
         return rollouts
+
+
+class _PrefixCache:
+    """KV of generated sequences by token ids (per layer (keys, values) [H, L, D]), least recently used dropped past
+    `max_tokens` positions."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens, self.tokens = max_tokens, 0
+        self.entries: OrderedDict[tuple[int, ...], list[tuple[Tensor, Tensor]]] = OrderedDict()
+
+    def lookup(self, ids: tuple[int, ...]):
+        """The KV of the longest cached sequence that is a proper prefix of `ids`, or None."""
+        best = None
+        for seq in self.entries:
+            if len(seq) < len(ids) and (best is None or len(seq) > len(best)) and ids[:len(seq)] == seq:
+                best = seq
+        if best is None:
+            return None
+        self.entries.move_to_end(best)
+        return self.entries[best]
+
+    def store(self, seq: tuple[int, ...], kv: list[tuple[Tensor, Tensor]]) -> None:
+        if not seq or len(seq) > self.max_tokens:
+            return
+        if seq in self.entries:
+            self.entries.move_to_end(seq)
+            return
+        self.entries[seq] = kv
+        self.tokens += len(seq)
+        while self.tokens > self.max_tokens:
+            old, _ = self.entries.popitem(last=False)
+            self.tokens -= len(old)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.tokens = 0
 
 
 def _make_cache(model: nn.Module, capacity: int):
