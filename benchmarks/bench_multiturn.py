@@ -135,8 +135,20 @@ def run_token_in_token_out(collector, engine, examples, params) -> dict:
             "ids": [r.prompt_ids.tolist() + r.response_ids.tolist() for r in rollouts]}
 
 
-def run_retokenising(spec, engine, examples, params) -> dict:
-    """(b): the same episodes, re-rendering and re-tokenising the whole transcript every turn."""
+def run_retokenising(spec, engine, examples, params, prefix_cache: bool = False) -> dict:
+    """(b): the same episodes, re-rendering and re-tokenising the whole transcript every turn (with `prefix_cache`,
+    on the hf engine's prefix cache too: it then reuses the KV wherever the re-tokenised ids equal the cached ones)."""
+    enable = getattr(engine, "enable_prefix_cache", None) if prefix_cache else None
+    if enable is not None:
+        enable(1 << 30)
+    try:
+        return _retokenising(spec, engine, examples, params)
+    finally:
+        if enable is not None:
+            enable(0)
+
+
+def _retokenising(spec, engine, examples, params) -> dict:
     from dppo.rollout.episodes import turn_seed  # the collector's seed per turn: the same samples
 
     tokenizer, factory = engine.tokenizer, spec.factory()
@@ -186,12 +198,12 @@ def run_retokenising(spec, engine, examples, params) -> dict:
             "ids": [ep["last_prompt"] + ep["generated"][-1] for ep in episodes]}  # (what the last turn sampled from)
 
 
-def compare_designs(spec, engine, examples, params, repeats: int) -> dict:
+def compare_designs(spec, engine, examples, params, repeats: int, retok_cache: bool = False) -> dict:
     from dppo.rollout.episodes import EpisodeCollector
 
     collector = EpisodeCollector(spec)
     run_a = lambda: run_token_in_token_out(collector, engine, examples, params)  # noqa: E731
-    run_b = lambda: run_retokenising(spec, engine, examples, params)  # noqa: E731
+    run_b = lambda: run_retokenising(spec, engine, examples, params, retok_cache)  # noqa: E731
     a0, b0 = run_a(), run_b()  # warm-up (kernels, the collector's environment factory and ChatDelta)
     rounds = []
     for i in range(repeats):
@@ -278,6 +290,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-random", help="tiny-random or smollm2-135m")
     ap.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="the rollout engine of (a) and (b)")
+    ap.add_argument("--retok-prefix-cache", action="store_true",
+                    help="give (b) the hf engine's prefix cache too ((a) always has it: the collector turns it on)")
     ap.add_argument("--tiny-hidden", type=int, default=128)
     ap.add_argument("--turns", default="1,4,16", help="comma-separated turns per episode")
     ap.add_argument("--episodes", type=int, default=32, help="episodes per batch (examples x --group)")
@@ -318,7 +332,7 @@ def main() -> None:
     for turns in turns_list:
         spec = EpisodeSpec(ENV_PATH, {"turns": turns, "chars": args.env_chars}, max_turns=turns, max_tokens=1 << 20)
         t0 = time.perf_counter()
-        row = {"turns": turns, **compare_designs(spec, engine, examples, params, args.repeats)}
+        row = {"turns": turns, **compare_designs(spec, engine, examples, params, args.repeats, args.retok_prefix_cache)}
         if not args.no_sources:
             row["sources"] = compare_sources(spec, espec, weights, examples, params, args.source_steps, args.threads)
         results.append(row)
@@ -362,7 +376,8 @@ def main() -> None:
         print(f"target: token-in-token-out >= {TARGET_RATIO}x the re-tokenising loop's episodes/s at 16 turns: "
               f"{at16:.2f}x ({'met' if at16 >= TARGET_RATIO else 'NOT met'})")
     print(json.dumps({"benchmark": "multiturn", "cpu": cpu_name(), "threads": torch.get_num_threads(),
-                      "engine": args.engine, "model": args.model, "tiny_hidden": args.tiny_hidden if args.model == "tiny-random" else None,
+                      "engine": args.engine, "retok_prefix_cache": args.retok_prefix_cache, "model": args.model,
+                      "tiny_hidden": args.tiny_hidden if args.model == "tiny-random" else None,
                       "episodes": args.episodes, "group": args.group, "new_tokens": args.new,
                       "env_chars": args.env_chars, "repeats": args.repeats, "target_ratio_16": TARGET_RATIO,
                       "ratio_16": at16, "results": results}))
