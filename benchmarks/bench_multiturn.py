@@ -35,8 +35,10 @@ turn, while a re-tokenised prompt shares the cached prefix only up to the first 
     (benchmarks/bench_async.py measures that). A step is the time from one `take`'s return to the next's (median
     over steps 1..; step 0 warms up); the worker's start is reported apart.
 
-Where a difference between (a) and (b) can come from: the hf engine has no prefix cache, so it prefills the whole
-prompt at every `generate` call in BOTH designs (about the same number of tokens: the re-rendered transcript is
+Where a difference between (a) and (b) can come from. Since the hf engine got a prefix cache (on for the
+collector's episodes, and for (b) with `--retok-prefix-cache`), (a) prefills only each turn's new tokens and is
+~2x (b) at 16 turns (docs/benchmarks.md, "With the hf engine's prefix cache"). Before that (the first numbers
+there), the hf engine prefilled the whole prompt at every `generate` call in BOTH designs (about the same number of tokens: the re-rendered transcript is
 the same text; it is shorter only by the special tokens the model sampled, which decoding drops). What (b) adds is
 host work: rendering the Jinja template and tokenising the whole transcript of every active episode every turn,
 which grows with the transcript (quadratic in the turns over an episode); what (a) adds is its bookkeeping per
