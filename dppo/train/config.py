@@ -171,6 +171,17 @@ class RolloutConfig:
         return [d.strip() for d in self.devices.split(",")] if self.devices.strip() else []
 
 
+def _json_object(name: str, text: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object; ConfigError naming the field otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{name}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        _fail(name, f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     """The verifiable task: prompts, answers and the reward."""
@@ -195,12 +206,7 @@ class TaskConfig:
     """Optional system message for chat-formatted prompts."""
 
     def __post_init__(self) -> None:
-        try:
-            options = json.loads(self.options)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"task.options: not valid JSON ({exc})") from None
-        if not isinstance(options, dict):
-            _fail("task.options", f"expected a JSON object, got {type(options).__name__}")
+        _json_object("task.options", self.options)
         if self.size < 1:
             _fail("task.size", f"expected >= 1, got {self.size}")
         if self.eval_size < 0:
@@ -228,12 +234,7 @@ class EnvConfig:
     """Longest an environment's step may take; past it the episode ends and is counted as an env timeout."""
 
     def __post_init__(self) -> None:
-        try:
-            options = json.loads(self.options)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"env.options: not valid JSON ({exc})") from None
-        if not isinstance(options, dict):
-            _fail("env.options", f"expected a JSON object, got {type(options).__name__}")
+        _json_object("env.options", self.options)
         if self.max_turns < 1:
             _fail("env.max_turns", f"expected >= 1, got {self.max_turns}")
         if self.max_tokens < 1:
