@@ -385,3 +385,17 @@ def test_new_weights_clear_the_prefix_cache(tiny_model, make_tiny_model, tokeniz
                                                                    params(n=1))[0]
     assert torch.equal(again.response_ids, fresh.response_ids)
     assert torch.allclose(again.rollout_logp, fresh.rollout_logp, rtol=0, atol=2e-5)
+
+
+def test_per_turn_metrics_of_turns_no_episode_reached_are_left_out(tmp_path):
+    from conftest import smoke_config
+    from dppo.train.trainer import Trainer
+
+    cfg = smoke_config(tmp_path, rollout={"max_new_tokens": 4},
+                       env={"name": SCRIPTED, "options": '{"turns": 2}', "max_turns": 4, "max_tokens": 80},
+                       train={"threads": 1, "steps": 1})
+    with Trainer(cfg, tmp_path) as trainer:
+        m = trainer.step()
+    assert {f"mismatch/binary_tv_turn_{j}" for j in range(4)} & set(m) == {"mismatch/binary_tv_turn_0",
+                                                                          "mismatch/binary_tv_turn_1"}
+    assert "trust_region/masked_frac_turn_2" not in m and not any(k.startswith("count/") for k in m)

@@ -267,6 +267,9 @@ class Trainer:
         with timer.time("metrics"):
             self.logger.log_samples(self.step_idx, self._samples(completions, rewards, batch, examples))
             metrics = self._step_metrics(batch, rewards, reward_stats, adv_stats, update_stats)
+            for key in [k for k in metrics if k.startswith("count/")]:  # per-turn values of turns not reached
+                if metrics.pop(key) == 0.0:
+                    metrics.pop(key[len("count/"):], None)
             if self.episodes is not None:
                 metrics.update(episode_metrics.episode_stats(rollouts))
             for j in range(self.source.max_staleness + 1):
@@ -631,8 +634,9 @@ class _Accumulator:
         self.nonfinite_losses = self.nonfinite_losses + (~loss_finite).float()
 
     def result(self) -> dict[str, Tensor]:
-        out = {k: self.sums[k] / torch.as_tensor(self.weights[k]).clamp(min=1e-12) for k in self.sums
-               if "_turn_" not in k or bool(torch.as_tensor(self.weights[k]) > 0)}  # (turns no episode reached)
+        out = {k: self.sums[k] / torch.as_tensor(self.weights[k]).clamp(min=1e-12) for k in self.sums}
+        # the token count behind each per-turn value: `Trainer.step` drops the values of turns no episode reached
+        out.update({f"count/{k}": torch.as_tensor(self.weights[k]) for k in self.sums if "_turn_" in k})
         out["ratio/max"] = self.ratio_max
         norms = torch.stack(self.grad_norms)
         out["optim/grad_norm"] = norms.mean()
