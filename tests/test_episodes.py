@@ -211,7 +211,8 @@ def test_user_environment_from_a_file_and_the_builtins_are_registered():
     env = make_environment(SCRIPTED, turns=2)()
     env.reset(EXAMPLES[0])
     assert env.step("a1").messages == ({"role": "tool", "content": "result 1"},)
-    assert env.step("2").done and env.step  # second turn ends it
+    last = env.step("2")  # the second turn ends it, rewarded with the digits written
+    assert last.done and last.reward == 2.0 and last.messages == ()
     with pytest.raises(ValueError, match="has no attribute 'Missing'"):
         make_environment(f"{ENVS}:Missing")
 

@@ -94,14 +94,13 @@ class ToolEnv(Environment):
         raise NotImplementedError
 
     def step(self, reply: str) -> EnvStep:
-        from dppo.envs.tools import ToolResult, call_tool, format_tool_message, parse_tool_calls
+        from dppo.envs.tools import ToolResult, call_tool, format_tool_message, malformed_result, parse_tool_calls
 
         calls, malformed = parse_tool_calls(reply)
         if not calls and not malformed:
             return EnvStep(reward=float(self.score(reply)), done=True)
         tools = {fn.__name__: fn for fn in self.tools}
-        results = [ToolResult(content=f"Error: malformed tool call: {why}", error="malformed", truncated=False,
-                              timed_out=False) for why in malformed]
+        results = [malformed_result(why, max_chars=self.max_tool_chars) for why in malformed]
         for i, call in enumerate(calls):
             if i >= self.max_calls_per_turn:
                 results.append(ToolResult(content=f"Error: at most {self.max_calls_per_turn} tool calls per turn",
@@ -119,10 +118,7 @@ def check_step(step: Any, name: str) -> EnvStep:
     """`step` if it is a well-formed EnvStep; otherwise TypeError naming the environment and what is wrong."""
     if not isinstance(step, EnvStep):
         raise TypeError(f"environment {name!r}: step() returned {type(step).__name__}, expected an EnvStep")
-    for m in step.messages:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise TypeError(f"environment {name!r}: step() returned a message that is not "
-                            f"{{'role': str, 'content': str}}: {m!r:.200}")
+    _check_each(step.messages, name, "step")
     if not isinstance(step.reward, (int, float)) or step.reward != step.reward or abs(step.reward) == float("inf"):
         raise TypeError(f"environment {name!r}: step() returned a non-finite or non-numeric reward {step.reward!r}")
     if not step.done and not step.messages:
@@ -135,8 +131,12 @@ def check_messages(messages: Any, name: str) -> list[Message]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise TypeError(f"environment {name!r}: reset() returned {type(messages).__name__}, expected a non-empty "
                         f"list of messages")
+    _check_each(messages, name, "reset")
+    return [dict(m) for m in messages]
+
+
+def _check_each(messages, name: str, method: str) -> None:
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise TypeError(f"environment {name!r}: reset() returned a message that is not "
+            raise TypeError(f"environment {name!r}: {method}() returned a message that is not "
                             f"{{'role': str, 'content': str}}: {m!r:.200}")
-    return [dict(m) for m in messages]

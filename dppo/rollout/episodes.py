@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -55,6 +56,8 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
     """The sampling seed of turn `turn`: (seed + turn·m) mod 2^62 with m odd, so no turn's seed is another async
     share's (which adds 2^40) or another rank's (2^32)."""
     return None if seed is None else (seed + turn * _TURN_SEED_MULT) % (1 << 62)
+
+
 _BASE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
 
 
@@ -134,29 +137,34 @@ class ChatDelta:
         return full[len(self.base):]
 
 
-def _timed(fn, timeout_s: float):
-    """fn() in a daemon thread: ("ok", value) | ("error", exception) | ("timeout", None) (the thread is abandoned)."""
-    box: dict[str, Any] = {}
+def _bounded(fns: Sequence, timeout_s: float) -> list[tuple[str, Any]]:
+    """Each fn() in its own daemon thread, all at once, each given `timeout_s`: per fn ("ok", value) |
+    ("error", exception) | ("timeout", None) (a thread still running is abandoned)."""
+    boxes: list[dict[str, Any]] = [{} for _ in fns]
 
-    def run() -> None:
+    def run(fn, box) -> None:
         try:
             box["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - contained and reported by the caller
             box["error"] = exc
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        return "timeout", None
-    return ("error", box["error"]) if "error" in box else ("ok", box.get("value"))
+    threads = [threading.Thread(target=run, args=(fn, box), daemon=True) for fn, box in zip(fns, boxes)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for t, box in zip(threads, boxes):
+        t.join(max(0.0, deadline - time.monotonic()))
+        out.append(("timeout", None) if t.is_alive() else
+                   ("error", box["error"]) if "error" in box else ("ok", box.get("value")))
+    return out
 
 
 class _Episode:
     """One episode's growing token record and transcript."""
 
-    def __init__(self, index: int, prompt_index: int, env, prompt_ids: list[int], messages: list[dict]) -> None:
-        self.index, self.prompt_index, self.env = index, prompt_index, env
+    def __init__(self, prompt_index: int, env, prompt_ids: list[int], messages: list[dict]) -> None:
+        self.prompt_index, self.env = prompt_index, env
         self.prompt_ids, self.messages = prompt_ids, messages
         self.ids: list[int] = []
         self.logp: list[float] = []
@@ -239,23 +247,20 @@ class EpisodeCollector:
         spec = self.spec
         if self._factory is None:
             self._factory, self._delta = spec.factory(), ChatDelta(engine.tokenizer)
-        name = spec.env
+        from dppo.envs.base import check_messages
+        from dppo.envs.tools import tool_schema
+
         episodes = []
         for p, example in enumerate(examples):
             for _ in range(params.n):
                 env = self._factory()
-                ep = _Episode(len(episodes), p, env, [], [])
-                status, value = _timed(lambda env=env, example=example: env.reset(example), spec.env_timeout_s)
+                [(status, value)] = _bounded([lambda: env.reset(example)], spec.env_timeout_s)
                 if status != "ok":
-                    raise ValueError(f"environment {name!r}: reset() failed on example {example.uid}: "
+                    raise ValueError(f"environment {spec.env!r}: reset() failed on example {example.uid}: "
                                      f"{'timed out' if status == 'timeout' else repr(value)}")
-                from dppo.envs.base import check_messages
-                from dppo.envs.tools import tool_schema
-
-                ep.messages = check_messages(value, name)
+                messages = check_messages(value, spec.env)
                 schemas = [tool_schema(fn) for fn in getattr(env, "tools", ())]
-                ep.prompt_ids = self._delta.prompt(ep.messages, schemas)
-                episodes.append(ep)
+                episodes.append(_Episode(p, env, self._delta.prompt(messages, schemas), messages))
         cache = getattr(engine, "enable_prefix_cache", None)  # the hf engine: later turns prefill only new tokens
         if cache is not None:
             cache(sum(len(ep.prompt_ids) + spec.max_tokens for ep in episodes))
@@ -307,17 +312,9 @@ class EpisodeCollector:
         """Every episode's environment answers its last reply (in parallel threads; each call bounded in time)."""
         from dppo.envs.base import check_step
 
-        spec, results = self.spec, [None] * len(episodes)
-
-        def run(i: int) -> None:
-            ep = episodes[i]
-            results[i] = _timed(lambda: check_step(ep.env.step(ep.messages[-1]["content"]), spec.env), spec.env_timeout_s)
-
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(episodes))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        spec = self.spec
+        results = _bounded([lambda ep=ep: check_step(ep.env.step(ep.messages[-1]["content"]), spec.env)
+                            for ep in episodes], spec.env_timeout_s)
         for ep, (status, value) in zip(episodes, results):
             if status == "timeout":
                 ep.stats["env_timeouts"] += 1

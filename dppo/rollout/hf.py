@@ -232,10 +232,8 @@ class HFEngine:
         row were fed so far, the response ends at its first stop token) in the prefix cache."""
         for i in which.nonzero().squeeze(1).tolist():
             r = int(rows[i])
-            resp = tokens[r, :fed + 1]
-            stop = torch.isin(resp, stop_ids).nonzero()
-            length = min(int(stop[0]) + 1 if len(stop) else fed + 1, fed + 1)  # the response's tokens sampled so far
-            keep = min(length - 1, fed)  # its last token has no KV yet
+            stop = torch.isin(tokens[r, :fed + 1], stop_ids).nonzero()
+            keep = int(stop[0]) if len(stop) else fed  # the response's tokens but its last (whose KV is not computed)
             seq = tuple(prompt_ids[r // n]) + tuple(tokens[r, :keep].tolist())
             real = attn[i].bool()
             kv = [(layer.keys[i][:, real][:, :len(seq)].clone(), layer.values[i][:, real][:, :len(seq)].clone())

@@ -240,7 +240,8 @@ class Trainer:
                 cpu_batch = collate(rollouts, pad_id=self.pad_id)
                 batch = cpu_batch.to(self.device)  # staleness of each response: trained by version step_idx
                 batch.extras["staleness"] = (self.step_idx - batch.weight_version).to(self.device)
-                batch.extras["staleness_step"] = self.step_idx
+                if "token_version" in batch.extras:  # per token (an episode's later turns may be fresher)
+                    batch.extras["token_staleness"] = self.step_idx - batch.extras["token_version"]
             with timer.time("reward"):
                 completions = decode_responses(cpu_batch, self.tokenizer)
                 if self.episodes is not None:  # the environment scored each episode while it ran
@@ -623,8 +624,8 @@ class _Accumulator:
             total, count = metrics.per_group_sums(binary_tv(logp, mu), mask, turn, self.max_turns)
             for j in range(count.shape[0]):
                 self._add(f"mismatch/binary_tv_turn_{j}", total[j] / count[j].clamp(min=1), count[j])
-            if "token_version" in batch.extras:
-                stale = (batch.extras["staleness_step"] - batch.extras["token_version"][micro]).float()
+            if "token_staleness" in batch.extras:
+                stale = batch.extras["token_staleness"][micro].float()
                 total, count = metrics.per_group_sums(stale, mask, turn, self.max_turns)
                 for j in range(count.shape[0]):
                     self._add(f"rollout/staleness_turn_{j}", total[j] / count[j].clamp(min=1), count[j])
