@@ -149,8 +149,23 @@ def test_config_defaults_are_dppos(integ, tmp_path):
     ({"vllm_importance_sampling_correction": True}, "vllm_importance_sampling_correction"),
     ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
     ({"delta": 3.0}, "delta"),
-    ({"top_entropy_quantile": 0.2}, "top_entropy_quantile"),
+    ({"top_entropy_quantile": 1.5}, "top_entropy_quantile"),
     ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"generation_kwargs": {"num_beams": 2}}, "generation_kwargs.num_beams"),
+    ({"generation_kwargs": {"do_sample": False}}, "generation_kwargs.do_sample"),
+    ({"generation_kwargs": {"num_beam_groups": 2, "num_beams": 1}}, "generation_kwargs.num_beam_groups"),
+    ({"generation_kwargs": {"penalty_alpha": 0.6}}, "generation_kwargs.penalty_alpha"),
+    ({"generation_kwargs": {"assistant_model": "a-model"}}, "generation_kwargs.assistant_model"),
+    ({"generation_kwargs": {"prompt_lookup_num_tokens": 3}}, "generation_kwargs.prompt_lookup_num_tokens"),
+    ({"generation_kwargs": {"assistant_early_exit": 2}}, "generation_kwargs.assistant_early_exit"),
+    ({"generation_kwargs": {"dola_layers": "high"}}, "generation_kwargs.dola_layers"),
+    ({"generation_kwargs": {"num_return_sequences": 2}}, "generation_kwargs.num_return_sequences"),
+    ({"generation_kwargs": {"typical_p": 0.9}}, "generation_kwargs.typical_p"),
+    ({"generation_kwargs": {"epsilon_cutoff": 3e-4}}, "generation_kwargs.epsilon_cutoff"),
+    ({"generation_kwargs": {"top_h": 0.4}}, "generation_kwargs.top_h"),
+    ({"generation_kwargs": {"temperature": 0.0}}, "generation_kwargs.temperature"),
+    ({"trust_region": "dppo_topk_tv", "generation_kwargs": {"top_p": 0.9}}, "generation_kwargs.top_p"),
 ])
 def test_config_refuses_naming_the_field(integ, tmp_path, overrides, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):
@@ -271,8 +286,8 @@ def synthetic_batch(trainer, K: int, noise: float = 1.5, seed: int = 0) -> tuple
         values, ids = mu_full.topk(K, -1)
         in_top = (ids == completion[..., None]).any(-1)
         cells = torch.cat([values, torch.where(in_top, float("nan"), sampled)[..., None]], -1)
-        trainer._pending_topk_ids = torch.cat([ids, torch.where(in_top, 0, completion)[..., None]], -1).tolist()
-        out.update(trainer._split_cells(cells, completion, completion_mask))
+        cell_ids = torch.cat([ids, torch.where(in_top, 0, completion)[..., None]], -1).tolist()
+        out.update(trainer._split_cells(cells, cell_ids, completion, completion_mask.bool()))
         torch.testing.assert_close(out["sampling_per_token_logps"], sampled, rtol=0, atol=0)  # µ(a_t) found in its cell
     else:
         out["sampling_per_token_logps"] = sampled

@@ -2,12 +2,15 @@
 section (so both accept and refuse the same values), and the map from TRL's `loss_type` to dppo's aggregation modes.
 
 Everything that can be refused before a model loads is refused here, at construction, as a ValueError naming the
-field; `check_server_logprobs` is the one check that needs a running vLLM server.
+field. `check_sampling` (decoding modes whose tokens are not draws from the recorded µ) runs here on
+`generation_kwargs` and again in `DPPOTrainer` on the generation config `generate` would use (the model's own
+`generation_config` included); `check_server_logprobs` is the one check that needs a running vLLM server.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +19,7 @@ from trl import GRPOConfig
 from dppo.train.config import ConfigError, LossConfig
 from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk, region_params
 
-__all__ = ["DPPOConfig", "LOSS_TYPE_AGGREGATION", "check_server_logprobs"]
+__all__ = ["DPPOConfig", "LOSS_TYPE_AGGREGATION", "NOT_SAMPLED", "check_sampling", "check_server_logprobs"]
 
 LOSS_TYPE_AGGREGATION = {
     "dapo": "token-mean",  # denominator: active tokens of the whole generation batch, all processes (TRL's default)
@@ -35,13 +38,80 @@ _UNSUPPORTED = {  # GRPOConfig field -> (the value DPPO needs, why)
     "vllm_importance_sampling_correction": (False, "DPPO's importance weight π/µ already corrects for the engine "
                                                    "mismatch; TRL's would multiply a second ratio into the loss"),
     "importance_sampling_level": ("token", "the trust region and the importance weight are per token"),
-    "off_policy_mask_threshold": (None, "a second, sequence-level mask; the trust region is the mask"),
     "delta": (None, "TRL's two-sided ratio cap; DPPO caps the importance weight with is_cap"),
-    "top_entropy_quantile": (1.0, "an entropy mask on top of the trust region"),
-    "entropy_coef": (0.0, "an entropy bonus is not part of the DPPO objective"),
-    "use_adaptive_entropy": (False, "an entropy bonus is not part of the DPPO objective"),
     "use_transformers_continuous_batching": (False, "that generation path returns no sampling log-probs (µ)"),
 }
+"""The GRPOConfig fields that are alternatives to DPPO's trust region or importance weight. The features that compose
+with a trust region (entropy bonus, entropy filter, off-policy sequence mask) are kept: see DPPOTrainer."""
+
+_BEAMS = ("beam search keeps the best-scoring of several candidate rows and reorders them at every step: its tokens "
+          "are not draws from the per-token law the µ recorder sees, and the recorder's rows are beams, not completions")
+_ASSISTED = ("assisted (speculative) decoding drafts tokens with another model or from the prompt and verifies them in "
+             "blocks: the logits processors, and so the µ recorder, do not run once per drawn token")
+_WARPER = ("a sampling warper that transformers applies after DPPOTrainer's µ recorder, so the recorded law would not "
+           "be the sampled one (temperature, top_k, top_p, min_p and the logits processors are recorded)")
+
+
+def _above(bound: float) -> Callable[[Any], bool]:
+    return lambda v: v is not None and not isinstance(v, bool) and v > bound
+
+
+def _below(bound: float) -> Callable[[Any], bool]:
+    return lambda v: v is not None and not isinstance(v, bool) and v < bound
+
+
+def _given(v: Any) -> bool:
+    return v is not None and v is not False
+
+
+NOT_SAMPLED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "do_sample": (lambda v: v is not None and v is not True,
+                  "greedy decoding takes the most likely token: the tokens are not drawn from µ"),
+    "temperature": (lambda v: v is not None and v <= 0, "temperature 0 is greedy decoding: µ must be a law sampled from"),
+    "num_beams": (_above(1), _BEAMS),
+    "num_beam_groups": (_above(1), "diverse beam search: " + _BEAMS),
+    "constraints": (_given, "constrained beam search: " + _BEAMS),
+    "force_words_ids": (_given, "constrained beam search: " + _BEAMS),
+    "use_beam_search": (_given, _BEAMS),
+    "best_of": (_above(1), "best-of-n keeps one of several sampled sequences by its score: " + _BEAMS),
+    "penalty_alpha": (_above(0), "contrastive search picks tokens by a degeneration penalty, not by drawing from µ"),
+    "dola_layers": (_given, "DoLa decoding draws from a contrast of layers' logits, which the recorder does not see"),
+    "assistant_model": (_given, _ASSISTED),
+    "prompt_lookup_num_tokens": (_given, _ASSISTED),
+    "assistant_early_exit": (_given, _ASSISTED),
+    "use_mtp": (_given, _ASSISTED),
+    "speculation_type": (_given, _ASSISTED),
+    "custom_generate": (_given, "a decoding loop loaded from the Hub: what it samples from is unknown"),
+    "num_return_sequences": (_above(1), "TRL repeats each prompt num_generations times itself; several sequences per "
+                                        "row would not line up with its prompts"),
+    "token_healing": (_given, "token healing rewrites the prompt's last tokens, so the completion would not start "
+                              "where TRL cuts it from the prompt"),
+    "top_h": (_given, _WARPER),
+    "typical_p": (_below(1.0), _WARPER),
+    "epsilon_cutoff": (_above(0.0), _WARPER),
+    "eta_cutoff": (_above(0.0), _WARPER),
+    "watermarking_config": (_given, _WARPER),
+}
+"""Generation settings whose tokens are not draws from the distribution DPPOTrainer records as µ (transformers'
+GenerationConfig / generate names, and vLLM's for beam search): name -> (is it switched on?, why)."""
+
+_TRUNCATION = {"top_k": _above(0), "top_p": _below(1.0), "min_p": _given}
+
+
+def check_sampling(values: Mapping[str, Any] | None, where: str, top_k_logprobs: int = 0) -> None:
+    """Refuse decoding that does not sample each token from the recorded µ (`NOT_SAMPLED`), and with top-K capture
+    (`top_k_logprobs` > 0) truncated sampling; ValueError naming `<where>.<setting>` (`<setting>` if where is "")."""
+    values = values or {}
+    prefix = f"{where}." if where else ""
+    for name, (switched_on, why) in NOT_SAMPLED.items():
+        if name in values and switched_on(values[name]):
+            raise ValueError(f"{prefix}{name}: {values[name]!r} is refused by DPPOTrainer: {why}")
+    if top_k_logprobs > 0:
+        for name, truncates in _TRUNCATION.items():
+            if name in values and truncates(values[name]):
+                raise ValueError(f"{prefix}{name}: truncated sampling changes µ, so µ's recorded top-K cells would not "
+                                 "be those of the sampled distribution; use top_p=1.0, top_k=0, min_p=None with top-K "
+                                 f"capture (top_k_logprobs={top_k_logprobs}), got {name}={values[name]!r}")
 
 
 @dataclass
@@ -115,16 +185,17 @@ def _check_dppo(cfg) -> None:
         raise ValueError(f"{_EPS_FIELDS.get(name, name)}:{rest}") from None
     if cfg.top_k_logprobs is not None and not (isinstance(cfg.top_k_logprobs, int) and cfg.top_k_logprobs >= 0):
         raise ValueError(f"top_k_logprobs: expected an int >= 0 or None, got {cfg.top_k_logprobs!r}")
+    if not cfg.temperature > 0:
+        raise ValueError(f"temperature: expected > 0 (µ is the law sampled at temperature τ; 0 is greedy decoding), "
+                         f"got {cfg.temperature!r}")
     k = cfg.resolved_top_k_logprobs
     if needs_topk(cfg.trust_region) and k < 1:
         raise ValueError(f"top_k_logprobs: trust region {cfg.trust_region!r} needs µ's top-K log-probs: set >= 1 "
                          f"(or leave it None for {DEFAULT_TOP_K})")
-    if k > 0:
-        for name, off in (("top_p", 1.0), ("top_k", 0), ("min_p", None)):
-            if getattr(cfg, name) not in (off, None):
-                raise ValueError(f"{name}: truncated sampling changes µ, so µ's recorded top-K cells would not be "
-                                 "those of the sampled distribution; use top_p=1.0, top_k=0, min_p=None with top-K "
-                                 f"capture (top_k_logprobs={k}), got {name}={getattr(cfg, name)!r}")
+    check_sampling({name: getattr(cfg, name) for name in _TRUNCATION}, "", k)
+    check_sampling(cfg.generation_kwargs, "generation_kwargs", k)
+    if not 0.0 <= cfg.top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile: expected a number in [0, 1], got {cfg.top_entropy_quantile!r}")
 
 
 def check_server_logprobs(server_info: dict) -> None:

@@ -1,8 +1,10 @@
 """`DPPOTrainer`: TRL's `GRPOTrainer` with DPPO's loss (`dppo.losses.policy_loss` on TRL's per-token tensors).
 
-It overrides three things of GRPOTrainer: the transformers generation (to record µ, `recorder`), the post-processing
-of a generation batch (µ's K+1 cells from a `rollout_func` split into ids, log-probs and valid slots), and the loss
-with its metrics (`dppo.metrics`, one all-reduce of sums and one of maxima per micro-batch).
+It overrides three things of GRPOTrainer: the transformers generation (to record µ, `recorder`, for every turn of
+TRL's tool loop too), the post-processing of a generation batch (µ checked against the completions, then µ's K+1 cells
+split into ids, log-probs and valid slots), and the loss with its metrics (`dppo.metrics`, one all-reduce of sums and
+one of maxima per micro-batch). GRPOTrainer's terms that are orthogonal to the trust region (entropy bonus, adaptive
+entropy, entropy filter, off-policy sequence mask) compose with it as in GRPOTrainer (`terms`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from dppo.divergence import topk_kl, topk_tv
-from dppo.integrations.trl.config import LOSS_TYPE_AGGREGATION, DPPOConfig, check_server_logprobs
-from dppo.integrations.trl.recorder import _cells, _recording_generation
+from dppo.integrations.trl.config import LOSS_TYPE_AGGREGATION, DPPOConfig, check_sampling, check_server_logprobs
+from dppo.integrations.trl.recorder import TurnCells, _cells, _recording_generation
 from dppo.integrations.trl.rollout_func import DPPORolloutFunc
+from dppo.integrations.trl.terms import entropy_mean, next_entropy_coef, off_policy_keep, select_advantages
 from dppo.logprobs import fused_logprobs
 from dppo.losses import aggregate, policy_loss
 from dppo.metrics import MAXIMA, WEIGHTS, from_sums, masked_shares, mismatch_stats, ratio_stats, to_sums, token_mean
@@ -31,15 +34,17 @@ _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attentio
                  "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 _LOGIT_SCALING = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 _TOPK_DIVERGENCE = {"topk_tv": topk_tv, "topk_kl": topk_kl}
-_LOG_WEIGHTS = {**WEIGHTS, "entropy": "n_tokens", "kl": "n_tokens", "unscored_frac": "n_all"}
+_LOG_WEIGHTS = {**WEIGHTS, "entropy": "n_tokens", "kl": "n_tokens", "unscored_frac": "n_all",
+                "off_policy_masked_frac": "n_all", "policy_loss": "n_ranks"}
 
 
 class DPPOTrainer(GRPOTrainer):
-    """`GRPOTrainer` with DPPO's loss: `args` must be a `DPPOConfig`; every other argument is GRPOTrainer's.
+    """`GRPOTrainer` with DPPO's loss: `args` must be a `DPPOConfig`; every argument is GRPOTrainer's, in its order.
 
     µ comes from the generation backend (the `dppo.integrations.trl` docstring); the Top-K regions need µ's top-K,
-    recorded by the transformers path or returned by a `rollout_func` (`dppo_rollout_func`); TRL's own vLLM path keeps
-    only the sampled token's log-prob, so with vLLM a Top-K region needs `rollout_func=dppo_rollout_func("vllm")`.
+    recorded by the transformers path (every turn of the tool loop included) or returned by a `rollout_func`
+    (`dppo_rollout_func`); TRL's own vLLM path keeps only the sampled token's log-prob, so with vLLM a Top-K region
+    needs `rollout_func=dppo_rollout_func("vllm")`.
     """
 
     _tag_names = ["trl", "grpo", "dppo"]
@@ -49,41 +54,60 @@ class DPPOTrainer(GRPOTrainer):
                           "author={Qi and Zhou and Liu and Pang and Du and Lin and Lee}, year=2026, "
                           "eprint={arXiv:2602.04879}}"}
 
-    def __init__(self, model, reward_funcs=None, args=None, *positional, rollout_func=None, tools=None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
         if args is None:  # as GRPOTrainer does: "<model name>-DPPO" as the output folder
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
             args = DPPOConfig(f"{str(name).rstrip('/').split('/')[-1] or 'model'}-DPPO")
         if not isinstance(args, DPPOConfig):
             raise ValueError(f"args: DPPOTrainer needs a DPPOConfig, got {type(args).__name__}")
-        topk = needs_topk(args.trust_region)
-        if topk and rollout_func is None and args.use_vllm:
-            raise ValueError(f"trust_region: {args.trust_region!r} needs µ's top-K log-probs, and TRL's vLLM "
-                             "generation keeps only the sampled token's; pass rollout_func=dppo_rollout_func('vllm')")
-        if topk and tools:
-            raise ValueError(f"tools: the tool-calling loop does not keep µ's top-K cells ({args.trust_region!r})")
-        super().__init__(model, reward_funcs, args, *positional, rollout_func=rollout_func, tools=tools, **kwargs)
+        self._check_backends(args, rollout_func, tools, environment_factory)
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         reward_processing_classes=reward_processing_classes, callbacks=callbacks, optimizers=optimizers,
+                         quantization_config=quantization_config, peft_config=peft_config, tools=tools,
+                         rollout_func=rollout_func, environment_factory=environment_factory)
         self._region = args.region_settings()
-        self._topk = topk
+        self._topk = needs_topk(args.trust_region)
         self._k = args.resolved_top_k_logprobs
-        self._pending_topk_ids = self._recorded_topk_ids = None
-        if topk:
+        self._turn_cells = TurnCells(self._k)
+        self._pending_topk_ids = self._pending_cells = None
+        if self._topk:
             text_config = self.model.config.get_text_config()
             scaled = [n for n in _LOGIT_SCALING if getattr(text_config, n, None) not in (None, 1.0)]
             if scaled:
                 raise ValueError(f"trust_region: {args.trust_region!r} is not supported for models that scale their "
                                  f"logits ({', '.join(scaled)}): π's top-K cells are computed without it")
+        if not self.use_vllm and (rollout_func is None or self.tools):  # TRL's transformers generate will run
+            effective, _ = self.accelerator.unwrap_model(self.model)._prepare_generation_config(self.generation_config)
+            check_sampling(vars(effective), "model.generation_config", self._k)  # generation_kwargs: in DPPOConfig
         if args.use_vllm and args.vllm_mode == "server" and self.accelerator.is_main_process:
             check_server_logprobs(self.vllm_generation.vllm_client.get_server_info())
         if isinstance(rollout_func, DPPORolloutFunc):
             rollout_func.prepare(self)
 
+    @staticmethod
+    def _check_backends(args, rollout_func, tools, environment_factory) -> None:
+        """Generation backends that cannot give the µ this config needs, refused before a model loads."""
+        if needs_topk(args.trust_region) and rollout_func is None and args.use_vllm:
+            raise ValueError(f"trust_region: {args.trust_region!r} needs µ's top-K log-probs, and TRL's vLLM "
+                             "generation keeps only the sampled token's; pass rollout_func=dppo_rollout_func('vllm')")
+        k = args.resolved_top_k_logprobs
+        if k and rollout_func is not None and (tools or environment_factory):
+            name = "tools" if tools else "environment_factory"
+            raise ValueError(f"{name}: with a rollout_func, TRL generates the turns after a tool call with its own "
+                             f"generation, so the rollout_func's µ cells of the first turn and the later turns' cannot "
+                             f"be joined (top_k_logprobs={k}); for top-K with tools leave rollout_func unset (DPPOTrainer "
+                             "records every turn's cells)")
+
     # --- generation: record µ --------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm:  # processed (sampled-distribution) log-probs of the sampled tokens
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        if images is not None or multimodal_fields:
-            raise ValueError("DPPOTrainer records µ in the transformers generation path for text-only prompts; use "
-                             "vLLM or a rollout_func for multimodal prompts")
+        if images is not None or multimodal_fields or has_tool_images:
+            raise ValueError("prompts: DPPOTrainer records µ in the transformers generation path for text-only prompts "
+                             "(multimodal prompts or tool images: use vLLM or a rollout_func; docs/integrations.md)")
         device = self.accelerator.device
         prompts = [torch.tensor(ids) for ids in prompt_ids]
         input_ids = pad(prompts, self._tokenizer.pad_token_id, "left", self.pad_to_multiple_of).to(device)
@@ -101,28 +125,45 @@ class DPPOTrainer(GRPOTrainer):
         is_eos = torch.isin(completion, torch.tensor(self.eos_token_ids, device=device))
         lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completion.size(1)).tolist()
         completion_ids = [row[:n].tolist() for row, n in zip(completion.cpu(), lengths)]
-        if top is None:
-            return completion_ids, [row[:n].tolist() for row, n in zip(logp.cpu(), lengths)]
-        ids, lps = _cells(completion, logp, *top)
-        self._recorded_topk_ids = [row[:n].tolist() for row, n in zip(ids.cpu(), lengths)]
-        return completion_ids, [row[:n].tolist() for row, n in zip(lps.cpu(), lengths)]
+        if top is not None:  # µ's cells, kept by context for `_generate` (TRL's tool loop carries scalars only)
+            ids, lps = _cells(completion, logp, *top)
+            for prompt, tokens, row_ids, row_lps in zip(prompt_ids, completion_ids, ids.cpu(), lps.cpu()):
+                self._turn_cells.record(prompt, tokens, row_ids[:len(tokens)], row_lps[:len(tokens)])
+        return completion_ids, [row[:n].tolist() for row, n in zip(logp.cpu(), lengths)]
 
     def _generate(self, prompts: list):
-        self._recorded_topk_ids = None
+        self._turn_cells = TurnCells(self._k)
         out = super()._generate(prompts)
-        extra_fields = out[5]  # µ's top-K ids travel beside the log-probs, not to the reward functions
-        ids = extra_fields.pop("logprob_token_ids", None)
-        self._pending_topk_ids = ids if ids is not None else self._recorded_topk_ids
+        prompt_ids, completion_ids, tool_mask, _, logprobs, extra_fields = out[:6]
+        _check_alignment(completion_ids, logprobs, "logprobs")
+        ids = extra_fields.pop("logprob_token_ids", None)  # µ's top-K ids travel beside µ, not to the reward funcs
+        if ids is not None:  # from a rollout_func, in the K+1 layout
+            _check_alignment(completion_ids, ids, "logprob_token_ids")
+            self._pending_topk_ids = ids
+        elif self._k and self.rollout_func is None and not self.use_vllm:  # recorded by `_generate_single_turn`
+            self._pending_cells = self._turn_cells.assemble(prompt_ids, completion_ids, tool_mask)
+        self._turn_cells = TurnCells(self._k)
         return out
 
     def _generate_and_score_completions(self, inputs):
-        self._pending_topk_ids = None
+        self._pending_topk_ids = self._pending_cells = None
         output = super()._generate_and_score_completions(inputs)
         mu = output.get("sampling_per_token_logps")
         if mu is None:
-            raise RuntimeError("the generation gave no sampling log-probs (µ); a rollout_func must return 'logprobs'")
-        if mu.dim() == 3:
-            output.update(self._split_cells(mu, output["completion_ids"], output["completion_mask"]))
+            raise RuntimeError("µ was not recorded: the generation gave no sampling log-probs (a rollout_func must "
+                               "return 'logprobs')")
+        completion_ids = output["completion_ids"]
+        if mu.shape[:2] != completion_ids.shape:
+            raise RuntimeError(f"µ alignment: sampling log-probs of shape {tuple(mu.shape)} for completions of shape "
+                               f"{tuple(completion_ids.shape)}")
+        mask = _generated(output)
+        if self._pending_cells is not None:  # the transformers path's cells, every turn
+            ids, lps = self._pending_cells
+            cells = pad(lps, float("nan"), "right").to(mu.device)
+            cells = torch.nn.functional.pad(cells, (0, 0, 0, mu.shape[1] - cells.shape[1]), value=float("nan"))
+            output.update(self._split_cells(cells, ids, completion_ids, mask))
+        elif mu.dim() == 3:
+            output.update(self._split_cells(mu, self._pending_topk_ids, completion_ids, mask))
         elif self._topk:
             raise ValueError(f"trust_region: {self.args.trust_region!r} needs µ's top-K log-probs; the rollout gave "
                              "only the sampled tokens': a rollout_func must return per-token K+1 cells in 'logprobs' "
@@ -131,26 +172,27 @@ class DPPOTrainer(GRPOTrainer):
             output["old_topk_logp"] = self._old_topk_cells(output)
         return output
 
-    def _split_cells(self, mu: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> dict[str, Tensor]:
-        """[B, T, K+1] cells -> µ at the sampled tokens [B, T], and the cells' ids, log-probs (0 if unused), valid."""
-        if self._pending_topk_ids is None:
+    def _split_cells(self, mu: Tensor, topk_ids: list | None, completion_ids: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        """[B, T, K+1] cells and their ids (per completion, [n, K+1]) -> µ at the sampled tokens [B, T], and the cells'
+        ids, log-probs (0 if unused) and valid slots. Every generated token (`mask`) must be among its cells."""
+        if topk_ids is None:
             raise ValueError("logprob_token_ids: the rollout returned per-token cells in 'logprobs' without their ids")
         if mu.shape[-1] != self._k + 1:
             raise ValueError(f"top_k_logprobs: the rollout gave {mu.shape[-1]} cells per token, expected K+1 = "
                              f"{self._k + 1}")
-        ids = pad([torch.tensor(x, dtype=torch.long).reshape(-1, mu.shape[-1]) for x in self._pending_topk_ids], 0,
+        ids = pad([torch.as_tensor(x, dtype=torch.long).reshape(-1, mu.shape[-1]) for x in topk_ids], 0,
                   "right").to(mu.device)
         ids = torch.nn.functional.pad(ids, (0, 0, 0, mu.shape[1] - ids.shape[1]))
         valid = ~torch.isnan(mu)
         match = (ids == completion_ids[..., None]) & valid
         found = match.any(-1)
-        if (completion_mask.bool() & ~found).any():
+        if (mask & ~found).any():
             raise ValueError("logprob_token_ids: a sampled token is missing from its µ cells (expected µ's top-K, "
                              "then the sampled token when it is not among them)")
         cells = mu.nan_to_num(0.0)
         sampled = torch.where(found, cells.gather(-1, match.int().argmax(-1, keepdim=True))[..., 0], float("nan"))
         return {"sampling_per_token_logps": sampled, "rollout_topk_ids": ids, "rollout_topk_logp": cells,
-                "rollout_topk_valid": valid}
+                "rollout_topk_valid": valid & mask[..., None]}
 
     # --- the loss ---------------------------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):
@@ -158,9 +200,7 @@ class DPPOTrainer(GRPOTrainer):
         completion_ids = inputs["completion_ids"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], 1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        generated = _generated(inputs)  # GRPOTrainer's mask: completion tokens the model generated
         T = completion_ids.size(1)
         capture = _HiddenCapture(self._backbone(model)) if "rollout_topk_ids" in inputs else nullcontext()
         with capture:
@@ -168,8 +208,10 @@ class DPPOTrainer(GRPOTrainer):
                 model, input_ids, attention, T, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled,
                 **{k: inputs.get(k) for k in _FORWARD_KEYS})
         rollout_logp = inputs["sampling_per_token_logps"]
-        unscored = mask.bool() & torch.isnan(rollout_logp)  # vLLM could not score these: no µ, no loss term
-        mask = mask.bool() & ~unscored
+        unscored = generated & torch.isnan(rollout_logp)  # vLLM could not score these: no µ, no loss term
+        mask = generated & ~unscored
+        adv = inputs["advantages"]
+        selected, entropy_mask, off_policy = self._selected(logp, rollout_logp, adv, entropy, generated)
         old_logp = inputs.get("old_per_token_logps")
         old_logp = logp.detach() if old_logp is None else old_logp
         divergence = cells = None
@@ -185,9 +227,10 @@ class DPPOTrainer(GRPOTrainer):
         norm = self.max_completion_length if aggregation == "seq-mean-token-sum-norm" else None
         recompute = self.args.anchor == "recompute"
         loss, stats = policy_loss(
-            logp, rollout_logp, inputs["advantages"], mask, trust_region=self.args.trust_region, is_cap=self.args.is_cap,
-            aggregation=aggregation, divergence=divergence, old_logp=old_logp if recompute else None,
-            anchor=self.args.anchor, max_response_len=norm, denominator=denominator, **self._region)
+            logp, rollout_logp, select_advantages(adv, selected), mask, trust_region=self.args.trust_region,
+            is_cap=self.args.is_cap, aggregation=aggregation, divergence=divergence,
+            old_logp=old_logp if recompute else None, anchor=self.args.anchor, max_response_len=norm,
+            denominator=denominator, **self._region)
         kl = None
         if self.beta != 0.0:  # TRL's k3 estimate of KL(π‖ref), aggregated like the policy term
             ref = inputs["ref_per_token_logps"]
@@ -195,13 +238,56 @@ class DPPOTrainer(GRPOTrainer):
             if self.args.use_bias_correction_kl:
                 kl = kl * torch.exp(logp - old_logp)
             loss = loss + self.beta * aggregate(kl, mask, aggregation, max_response_len=norm, denominator=denominator)
+        policy_value = loss.detach() if self._entropy_bonus_enabled else None  # TRL's "policy_loss" metric
         loss = loss / scale
+        if self._entropy_bonus_enabled:
+            bonus_mask = generated if entropy_mask is None else generated & entropy_mask
+            loss = loss - self._entropy_bonus(entropy, bonus_mask, mode)
         if self.aux_loss_enabled:
             normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-        self._log_dppo(mode, logp, rollout_logp, inputs["advantages"], mask, unscored, stats, entropy, kl, cells, inputs)
+        self._log_dppo(mode, logp, rollout_logp, adv, mask, unscored, stats, entropy, kl, cells, inputs,
+                       off_policy=off_policy, policy_value=policy_value)
         return loss
+
+    def _selected(self, logp, rollout_logp, adv, entropy, generated):
+        """(tokens the policy term trains, or None for all; the entropy filter's mask; the off-policy mask's), as
+        GRPOTrainer computes them: the entropy filter over the generation's entropy quantile (`top_entropy_quantile`),
+        the sequence mask on mean log µ − log π (`off_policy_mask_threshold`)."""
+        entropy_mask = off_policy = None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropy, generated, 1 - self.top_entropy_quantile)
+        if self.off_policy_mask_threshold is not None:
+            off_policy = off_policy_keep(logp, rollout_logp, adv, generated, threshold=self.off_policy_mask_threshold)
+        parts = [m for m in (entropy_mask, off_policy) if m is not None]
+        selected = None if not parts else parts[0] if len(parts) == 1 else parts[0] & parts[1]
+        return selected, entropy_mask, off_policy
+
+    def _entropy_bonus(self, entropy: Tensor, mask: Tensor, mode: str) -> Tensor:
+        """GRPOTrainer's entropy bonus coef · H̄ / (accumulation steps), H̄ the mean entropy over `mask`; with
+        `use_adaptive_entropy` the coefficient of the last optimiser step, applied while its entropy was at or below
+        `entropy_target`, and updated at the end of each accumulation window from the window's entropy (all ranks)."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        coef = self.entropy_coef
+        if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+            coef = 0.0
+        if self.use_adaptive_entropy and mode == "train":
+            maskf = mask.to(entropy.dtype)
+            window = torch.stack([(entropy.detach() * maskf).sum(), maskf.sum()])
+            self._entropy_window_stats = window if self._entropy_window_stats is None else (
+                self._entropy_window_stats + window)
+            if self.accelerator.sync_gradients:  # the window's last micro-batch: one reduce and sync per step
+                total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world = (total[0] / total[1].clamp(min=1.0)).item()
+                args = self.args
+                self.entropy_coef = next_entropy_coef(self.entropy_coef, world, target=args.entropy_target,
+                                                      step=args.entropy_coef_delta, low=args.entropy_coef_min,
+                                                      high=args.entropy_coef_max)
+                self._last_world_entropy, self._entropy_window_stats = world, None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return coef * entropy_mean(entropy, mask) / accumulation
 
     def _aggregation(self, inputs, mode: str) -> tuple[str, Tensor | None, float]:
         """(dppo aggregation mode, its denominator or None for the micro-batch's own count, divisor of the loss),
@@ -240,7 +326,7 @@ class DPPOTrainer(GRPOTrainer):
         """π_old's cells for anchor="recompute" when TRL recomputed π_old (one more no-grad forward of the batch)."""
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
         attention = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
-        mask, T = output["completion_mask"].bool(), output["completion_ids"].size(1)
+        mask, T = _generated(output), output["completion_ids"].size(1)
         step = self.args.per_device_train_batch_size if self.model.training else self.args.per_device_eval_batch_size
         cells = []
         for s in range(0, ids.size(0), step):
@@ -251,9 +337,11 @@ class DPPOTrainer(GRPOTrainer):
         return torch.cat(cells)
 
     @torch.no_grad()
-    def _log_dppo(self, mode, logp, rollout_logp, adv, mask, unscored, stats, entropy, kl, cells, inputs) -> None:
+    def _log_dppo(self, mode, logp, rollout_logp, adv, mask, unscored, stats, entropy, kl, cells, inputs, *,
+                  off_policy=None, policy_value=None) -> None:
         """TRL's and dppo's metrics of one micro-batch (listed in the package docstring and docs/integrations.md; the
-        statistics are `dppo.metrics`'): one all-reduce of sums, one of maxima."""
+        statistics are `dppo.metrics`'): one all-reduce of sums, one of maxima. Tokens the entropy filter or the
+        off-policy mask dropped count as kept by the trust region (their advantage is 0 in the surrogate)."""
         m = rollout_logp.nan_to_num(0.0)  # unscored tokens (NaN µ) are outside `mask`: they count nowhere
         topk = {} if cells is None else {"logp_cells": cells, "rollout_cells": inputs["rollout_topk_logp"],
                                          "cells_valid": inputs["rollout_topk_valid"]}
@@ -263,6 +351,10 @@ class DPPOTrainer(GRPOTrainer):
         local["unscored_frac"], local["n_all"] = token_mean(unscored, unscored | mask)
         if kl is not None:
             local["kl"], _ = token_mean(kl, mask)
+        if off_policy is not None:
+            local["off_policy_masked_frac"], _ = token_mean(~off_policy, unscored | mask)
+        if policy_value is not None:
+            local["policy_loss"], local["n_ranks"] = policy_value.float(), torch.ones((), device=logp.device)
         sums = to_sums(local, _LOG_WEIGHTS)
         names = [k for k in sums if k not in MAXIMA]
         total = self.accelerator.reduce(torch.stack([sums[k] for k in names]), reduction="sum")
@@ -284,13 +376,32 @@ class DPPOTrainer(GRPOTrainer):
             "dppo/mismatch/kl_mean": v["binary_kl_mean"],
             "dppo/mismatch/log_ratio_gt_log2_frac": v["log_ratio_gt_log2_frac"],
             "dppo/unscored_frac": v["unscored_frac"], "entropy": v["entropy"]}
-        if "kl" in v:
-            metrics["kl"] = v["kl"]
+        for name, key in (("kl", "kl"), ("policy_loss", "policy_loss"), ("dppo/off_policy_masked_frac",
+                                                                          "off_policy_masked_frac")):
+            if key in v:
+                metrics[name] = v[key]
         if "topk_tv_mean" in v:
             metrics["dppo/mismatch/topk_tv_mean"] = v["topk_tv_mean"]
             metrics["dppo/mismatch/topk_kl_mean"] = v["topk_kl_mean"]
         for name, value in metrics.items():
             self._metrics[mode][name].append(value)
+
+
+def _generated(batch: dict) -> Tensor:
+    """[B, T] bool: the completion tokens the model generated (completion_mask, less tool tokens), GRPOTrainer's mask."""
+    mask = batch["completion_mask"].bool()
+    return mask & batch["tool_mask"].bool() if "tool_mask" in batch else mask
+
+
+def _check_alignment(completion_ids: list, values: list | None, name: str) -> None:
+    """µ's invariant: one row of `values` per completion, one value (or one row of K+1 cells) per completion token."""
+    if values is None:
+        return
+    if len(values) != len(completion_ids):
+        raise RuntimeError(f"µ alignment: {name} has {len(values)} rows for {len(completion_ids)} completions")
+    for row, (value, ids) in enumerate(zip(values, completion_ids)):
+        if len(value) != len(ids):
+            raise RuntimeError(f"µ alignment: completion {row} has {len(ids)} tokens and {len(value)} values in {name}")
 
 
 class _HiddenCapture:
