@@ -33,7 +33,9 @@ import torch
 from torch import Tensor
 
 from dppo._checks import check_choice, check_positive, check_same, check_tensor
-from dppo.trust_region import TRUST_REGIONS, all_params, needs_topk, region_params
+from dppo.divergence import binary_kl, binary_tv
+from dppo.sequence_mask import SEQUENCE_MASKS, SEQUENCE_UNITS, sequence_keep, unit_shares
+from dppo.trust_region import TRUST_REGIONS, all_params, needs_topk, region_inputs, region_params
 
 __all__ = ["AGGREGATIONS", "ANCHORS", "LOSSES", "aggregate", "aggregation_denominator", "policy_loss", "drpo_loss"]
 
@@ -128,6 +130,13 @@ def policy_loss(
     anchor: str = "rollout",
     max_response_len: int | None = None,
     denominator: Tensor | float | None = None,
+    staleness: Tensor | None = None,
+    sequence_mask: str = "none",
+    sequence_delta: float | None = None,
+    sequence_unit: str = "response",
+    sequence_sides: str = "both",
+    turn_index: Tensor | None = None,
+    n_turns: int | None = None,
     **region_kwargs: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The masked importance-weighted surrogate (Eq. 23), aggregated to a scalar.
@@ -147,6 +156,14 @@ def policy_loss(
         anchor: "rollout" (mask against µ, the default) or "recompute" (mask against π_old; the importance
             weight stays π/µ).
         max_response_len, denominator: see `aggregate`.
+        staleness: [B, T] (or [B], or one value) each token's version lag τ_t in training steps; required by the regions whose
+            `TRUST_REGIONS[name].inputs` name it (dppo_stale_*), ignored by the others.
+        sequence_mask: a name in `dppo.sequence_mask.SEQUENCE_MASKS` ("none", "max_divergence", "mean_k3",
+            "mean_k1"): also drop every token of a unit (a response; a turn with sequence_unit="turn" and
+            `turn_index`) whose statistic against the mask's anchor exceeds sequence_delta (default
+            `SEQUENCE_DELTAS[sequence_mask]`); sides "both" or "negative" (only units with Â < 0). max_divergence
+            reads the trust region's own per-token divergence (Binary-TV when the region has none).
+        turn_index, n_turns: [B, T] turn of each token and an upper bound of the turn count (sequence_unit "turn").
         **region_kwargs: the other parameters of the trust region, by name (relax_alpha, relax_side of the
             relax-α ablation, CPPO's cppo_*, pg_is_neg_mask's neg_delta: `TRUST_REGIONS[name].params` lists
             each with its default and check). A name no trust region takes is an error; one that only other
@@ -171,6 +188,25 @@ def policy_loss(
         if divergence is None:
             raise ValueError(f"divergence: required by trust_region {trust_region!r} ([B, T] Top-K estimate)")
         check_same("divergence", divergence, "logp", logp, dtype=False)
+    check_choice("sequence_mask", sequence_mask, SEQUENCE_MASKS)
+    check_choice("sequence_unit", sequence_unit, SEQUENCE_UNITS)
+    if sequence_mask != "none":
+        sequence_delta = SEQUENCE_DELTAS[sequence_mask] if sequence_delta is None else sequence_delta
+        if not (isinstance(sequence_delta, (int, float)) and math.isfinite(sequence_delta)):
+            raise ValueError(f"sequence_delta: expected a finite number, got {sequence_delta!r}")
+    inputs = {}
+    if "staleness" in region_inputs(trust_region):
+        if staleness is None:
+            raise ValueError(f"staleness: required by trust_region {trust_region!r} ([B, T] version lag of each token, "
+                             "in training steps; 0 = sampled by the weights being trained)")
+        check_tensor("staleness", staleness)
+        if staleness.dim() == 0:
+            staleness = staleness.reshape(1, 1).expand(logp.shape[0], 1)
+        elif staleness.shape == logp.shape[:1]:
+            staleness = staleness[:, None]
+        if staleness.dim() != 2 or staleness.shape[0] != logp.shape[0] or staleness.shape[1] not in (1, logp.shape[1]):
+            raise ValueError(f"staleness: expected shape [B] or [B, T]={tuple(logp.shape)}, got {tuple(staleness.shape)}")
+        inputs["staleness"] = staleness.expand_as(logp)
     if anchor == "recompute":
         if old_logp is None:
             raise ValueError("old_logp: required when anchor='recompute' ([B, T] log-probs of the pre-update policy)")
@@ -187,7 +223,15 @@ def policy_loss(
         ratio = log_ratio.exp()
         weight = ratio.clamp(max=is_cap) if math.isfinite(is_cap) else ratio
         adv_c = adv.detach().to(dtype)
-        keep = TRUST_REGIONS[trust_region].fn(logp_d, anchor_logp.to(dtype), adv_c, mask, divergence, **params)
+        keep = TRUST_REGIONS[trust_region].fn(logp_d, anchor_logp.to(dtype), adv_c, mask, divergence, **inputs, **params)
+        seq_stats = {}
+        if sequence_mask != "none":
+            units = turn_index if sequence_unit == "turn" else None
+            seq_keep, _ = sequence_keep(logp_d, anchor_logp.to(dtype), adv_c, mask, statistic=sequence_mask,
+                                        delta=sequence_delta, sides=sequence_sides, turn_index=units, n_turns=n_turns,
+                                        divergence=_token_divergence(trust_region, logp_d, anchor_logp.to(dtype), divergence))
+            seq_stats = {f"seq_{k}": v for k, v in unit_shares(seq_keep, adv_c, mask, units, n_turns).items()}
+            keep = keep & seq_keep
         coef = keep.to(dtype) * weight * adv_c
         if divergence is not None and needs_topk(trust_region):
             # A NaN divergence never masks (comparisons are False); make it poison the loss instead.
@@ -197,7 +241,20 @@ def policy_loss(
 
     loss_tok = -(coef * logp.to(dtype))
     loss = aggregate(loss_tok, mask, aggregation, max_response_len=max_response_len, denominator=denominator)
-    return loss, _metrics(mask, keep, adv_c, ratio, is_cap)
+    return loss, {**_metrics(mask, keep, adv_c, ratio, is_cap), **seq_stats}
+
+
+SEQUENCE_DELTAS = {"max_divergence": 0.5, "mean_k3": 0.05, "mean_k1": 0.05}
+"""The default sequence_delta per sequence mask (set from the study of docs/paper.md, seed 0)."""
+
+
+def _token_divergence(trust_region: str, logp: Tensor, anchor_logp: Tensor, divergence: Tensor | None) -> Tensor:
+    """The per-token divergence a region is defined on (its Top-K `divergence`, else Binary-TV or -KL), for the
+    max_divergence sequence mask; Binary-TV for the regions defined on none."""
+    name = TRUST_REGIONS[trust_region].divergence
+    if name in ("topk_tv", "topk_kl") and divergence is not None:
+        return divergence
+    return binary_kl(logp, anchor_logp) if name == "binary_kl" else binary_tv(logp, anchor_logp)
 
 
 def _compute_dtype(logp: Tensor) -> torch.dtype:
@@ -262,10 +319,12 @@ def drpo_loss(
 
 
 def _drpo(logp, rollout_logp, adv, response_mask, *, aggregation="seq-mean-token-sum-norm", max_response_len=None,
-          denominator=None, drpo_delta=0.15, divergence=None, old_logp=None, **_other_settings):
+          denominator=None, drpo_delta=0.15, divergence=None, old_logp=None, sequence_mask="none", **_other_settings):
     """`drpo_loss` under the LOSSES signature (drpo has no mask: the trust-region settings do not apply)."""
     if old_logp is not None:
         raise ValueError("old_logp: drpo has no mask to anchor; use anchor='rollout'")
+    if sequence_mask != "none":
+        raise ValueError("sequence_mask: drpo has no mask to combine a sequence mask with; use sequence_mask='none'")
     return drpo_loss(logp, rollout_logp, adv, response_mask, delta=drpo_delta, aggregation=aggregation,
                      max_response_len=max_response_len, denominator=denominator)
 
@@ -280,6 +339,6 @@ LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
     "drpo": _drpo,
 }
 """Every loss has one signature: fn(logp, rollout_logp, adv, response_mask, *, aggregation, max_response_len,
-denominator, divergence, old_logp, **settings) -> (loss, metrics), settings being the `loss` config section's
+denominator, divergence, old_logp, staleness, turn_index, n_turns, **settings) -> (loss, metrics), settings being the `loss` config section's
 fields by name (each loss takes those it uses). `masked_is` is Eq. 23 with a trust-region mask (every method
 but DRPO), `drpo` the quadratic penalty."""

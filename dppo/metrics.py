@@ -28,7 +28,7 @@ from torch import Tensor
 from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
 
 __all__ = ["MAXIMA", "MU_BUCKETS", "WEIGHTS", "from_sums", "masked_mu_histogram", "masked_mu_shares", "masked_shares",
-           "merge", "mismatch_stats", "per_group_sums", "ratio_stats", "to_sums", "token_mean", "token_mismatch"]
+           "merge", "mismatch_split", "mismatch_stats", "per_group_sums", "ratio_stats", "to_sums", "token_mean", "token_mismatch"]
 
 MU_BUCKETS: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 0.5)
 """Inner edges of the µ(a_t) buckets of masked tokens: [0, 1e-3], (1e-3, 1e-2], (1e-2, 0.1], (0.1, 0.5], (0.5, 1]."""
@@ -98,6 +98,39 @@ def mismatch_stats(logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, *,
     per_token = token_mismatch(logp, rollout_logp, logp_cells=logp_cells, rollout_cells=rollout_cells,
                                cells_valid=cells_valid)
     return {**{_MISMATCH_MEANS[k]: _mean(v, response_mask, n) for k, v in per_token.items()}, "n_tokens": n}
+
+
+SPLIT_KEYS = ("mismatch/old_rollout_tv_mean", "mismatch/current_old_tv_mean",
+              "trust_region/masked_frac_from_mismatch", "trust_region/masked_frac_from_update")
+"""The keys of `mismatch_split` (each a mean over the active tokens, weight "n_tokens")."""
+
+
+@torch.no_grad()
+def mismatch_split(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor,
+                   keep: Tensor) -> dict[str, Tensor]:
+    """The two factors of π/µ = (π_old/µ)·(π/π_old) ("Missing Old Logits in Asynchronous Agentic RL", arXiv
+    2605.12070), per active token, with π_old the trainer's recomputed pre-update policy:
+    - "mismatch/old_rollout_tv_mean": mean |π_old(a_t) − µ(a_t)| — the engine's numerics, plus with a stale or
+      async source the drift of the versions between µ's weights and this step's;
+    - "mismatch/current_old_tv_mean": mean |π(a_t) − π_old(a_t)| — what this step's updates moved (0 in its first
+      mini-batch);
+    - "trust_region/masked_frac_from_mismatch" / "_from_update": the share of active tokens that are masked and
+      whose |log π_old − log µ| is ≥ / < |log π − log π_old| (which factor of log π − log µ is the larger); the
+      two add up to the masked share.
+    Means over zero tokens are 0; "n_tokens" weights them."""
+    mask = response_mask.bool()
+    logp, old_logp, rollout_logp = _acc(logp), _acc(old_logp), _acc(rollout_logp)
+    n = mask.float().sum()
+    mism = (old_logp - rollout_logp).abs()
+    upd = (logp - old_logp).abs()
+    masked = _on(~keep, mask)
+    return {
+        SPLIT_KEYS[0]: _mean(binary_tv(old_logp, rollout_logp), mask, n),
+        SPLIT_KEYS[1]: _mean(binary_tv(logp, old_logp), mask, n),
+        SPLIT_KEYS[2]: (masked & (mism >= upd)).float().sum() / n.clamp(min=1),
+        SPLIT_KEYS[3]: (masked & (mism < upd)).float().sum() / n.clamp(min=1),
+        "n_tokens": n,
+    }
 
 
 @torch.no_grad()

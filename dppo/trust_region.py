@@ -15,7 +15,8 @@ about a region: `params` names every scalar parameter of the mask with its defau
 its check and its help text (the config fields `loss.<param>` and the CLI flags `--loss.<param>` are made
 from them, and `region_params` is the one place they are checked); `divergence` names the estimate the mask
 is defined on ("binary_tv", "binary_kl", "topk_tv", "topk_kl" or None); `needs_topk` says the engine must
-record µ's top-K. Adding a trust region is one function and one entry here (`pg_is_neg_mask`, the paper's
+record µ's top-K; `inputs` names the extra per-token tensors the mask takes by keyword ("staleness": each token's
+measured version lag τ_t, in training steps). Adding a trust region is one function and one entry here (`pg_is_neg_mask`, the paper's
 Fig. 5 mask, was added that way); the shared tests are parametrised over this dict.
 """
 
@@ -40,7 +41,12 @@ __all__ = [
     "no_mask",
     "cppo",
     "pg_is_neg_mask",
+    "dppo_stale_tv",
+    "dppo_stale_kl",
+    "dppo_sat_tv",
+    "dppo_sat_kl",
     "region_params",
+    "region_inputs",
     "needs_topk",
     "DEFAULT_TOP_K",
 ]
@@ -147,6 +153,67 @@ def pg_is_neg_mask(logp, anchor_logp, adv, response_mask, divergence, *, neg_del
     return ~((adv < 0) & (anchor_logp.exp() - logp.exp() >= neg_delta))
 
 
+def stale_delta(delta: float, staleness: Tensor, stale_alpha: float) -> Tensor:
+    """δ(τ) = δ / (1 + α·τ): δ for a fresh token (τ = 0), δ/2 at τ = 1/α, → 0 as τ grows (τ clamped ≥ 0)."""
+    return delta / (1.0 + stale_alpha * staleness.clamp(min=0))
+
+
+@torch.no_grad()
+def dppo_stale_tv(logp, anchor_logp, adv, response_mask, divergence, *, staleness: Tensor, delta_low: float,
+                  delta_high: float, stale_alpha: float) -> Tensor:
+    """Staleness-adaptive DPPO-Binary-TV (this project's design): Eq. 12 with δ_t = δ(τ_t) = δ / (1 + α τ_t), τ_t the
+    token's measured version lag (0 = sampled by the weights being trained); α = 0 or τ = 0 is DPPO-Binary-TV."""
+    s = staleness.to(logp.dtype)
+    return _dppo_keep(logp, anchor_logp, adv, binary_tv(logp, anchor_logp),
+                      stale_delta(delta_low, s, stale_alpha), stale_delta(delta_high, s, stale_alpha))
+
+
+@torch.no_grad()
+def dppo_stale_kl(logp, anchor_logp, adv, response_mask, divergence, *, staleness: Tensor, delta_low: float,
+                  delta_high: float, stale_alpha: float) -> Tensor:
+    """Staleness-adaptive DPPO-Binary-KL: `dppo_stale_tv` on Binary-KL(anchor‖π)."""
+    s = staleness.to(logp.dtype)
+    return _dppo_keep(logp, anchor_logp, adv, binary_kl(logp, anchor_logp),
+                      stale_delta(delta_low, s, stale_alpha), stale_delta(delta_high, s, stale_alpha))
+
+
+def sat_tail(logp: Tensor, anchor_logp: Tensor, response_mask: Tensor, quantile: float) -> Tensor:
+    """The batch's high-staleness tail: active tokens whose |sg(log π − log anchor)| is strictly above the
+    `quantile`-quantile of that value over the call's active tokens ([B, T] bool; none when all are equal)."""
+    x = (logp - anchor_logp).abs()
+    active = torch.where(response_mask.bool(), x, torch.full_like(x, float("nan")))
+    if active.dtype not in (torch.float32, torch.float64):
+        active = active.float()
+    threshold = torch.nanquantile(active.reshape(-1), quantile).to(x.dtype)  # NaN when no active token
+    return response_mask.bool() & (x > threshold)
+
+
+def _sat_keep(logp, anchor_logp, adv, response_mask, div, delta_low, delta_high, sat_quantile, sat_shrink) -> Tensor:
+    tail = sat_tail(logp, anchor_logp, response_mask, sat_quantile)
+    shrink = torch.where(tail, torch.full_like(div, sat_shrink), torch.ones_like(div))
+    return _dppo_keep(logp, anchor_logp, adv, div, delta_low * shrink, delta_high * shrink)
+
+
+@torch.no_grad()
+def dppo_sat_tv(logp, anchor_logp, adv, response_mask, divergence, *, delta_low: float, delta_high: float,
+                sat_quantile: float, sat_shrink: float) -> Tensor:
+    """SAT-like DPPO-Binary-TV (the tail detection follows "Stale but Stable", arXiv 2607.18722, whose abstract is all
+    that is public; the kernel is this project's): tokens in the batch's tail of |sg(log π − log µ)| (`sat_tail`,
+    above its `sat_quantile`-quantile) get the side of the region the advantage pushes against contracted,
+    δ_high → κ δ_high where Â > 0 (the upper side: π(a_t) rising) and δ_low → κ δ_low where Â < 0 (the lower side);
+    every other token keeps DPPO's δ. κ = `sat_shrink`; κ = 1, or an empty tail, is DPPO-Binary-TV."""
+    return _sat_keep(logp, anchor_logp, adv, response_mask, binary_tv(logp, anchor_logp), delta_low, delta_high,
+                     sat_quantile, sat_shrink)
+
+
+@torch.no_grad()
+def dppo_sat_kl(logp, anchor_logp, adv, response_mask, divergence, *, delta_low: float, delta_high: float,
+                sat_quantile: float, sat_shrink: float) -> Tensor:
+    """SAT-like DPPO-Binary-KL: `dppo_sat_tv` on Binary-KL(anchor‖π)."""
+    return _sat_keep(logp, anchor_logp, adv, response_mask, binary_kl(logp, anchor_logp), delta_low, delta_high,
+                     sat_quantile, sat_shrink)
+
+
 class Param(NamedTuple):
     """One scalar parameter of a trust region: its default (None = must be given), the check its value must
     pass (`expect` says what it expects, for the error message) and its help text (the CLI's `--loss.NAME`)."""
@@ -180,6 +247,15 @@ def _dppo(delta: float) -> dict[str, Param]:
 _CLIP = {"eps_low": _gt0(_EPS_DOC.format("<", 0.2), 0.2), "eps_high": _gt0(_EPS_DOC.format(">", "0.28, clip-higher"), 0.28)}
 
 
+_STALE_ALPHA = Param(0.25, "dppo_stale_*: α of δ(τ) = δ / (1 + α τ), τ = the token's version lag in steps.",
+                     lambda x: _number(x) and x >= 0, ">= 0")
+_SAT = {
+    "sat_quantile": Param(0.9, "dppo_sat_*: the tail is the tokens above this quantile of |log π − log µ| in the batch.",
+                          lambda x: _number(x) and 0.0 < x < 1.0, "in (0, 1)"),
+    "sat_shrink": _unit("dppo_sat_*: κ, the factor of δ on the advantage's side for tokens in the tail.", 0.5),
+}
+
+
 class TrustRegion(NamedTuple):
     """Everything about a trust region: its mask, its parameters, the divergence it is defined on, and whether the
     engine must record µ's top-K log-probs for it."""
@@ -191,6 +267,8 @@ class TrustRegion(NamedTuple):
     """The divergence estimate the mask is defined on ("binary_tv", "binary_kl", "topk_tv", "topk_kl" or None)."""
     needs_topk: bool = False
     """True when the mask reads a caller-computed Top-K `divergence`: the engine records µ's top-K log-probs."""
+    inputs: tuple[str, ...] = ()
+    """Extra [B, T] tensors the mask takes by keyword: "staleness" = each token's version lag τ_t (training steps)."""
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -221,6 +299,12 @@ TRUST_REGIONS: dict[str, TrustRegion] = {
     "pg_is_neg_mask": TrustRegion(pg_is_neg_mask, {
         "neg_delta": _gt0("pg_is_neg_mask (Fig. 5): mask a token with Â < 0 when anchor(a) − π(a) ≥ this.", 0.5),
     }, None),
+    "dppo_stale_tv": TrustRegion(dppo_stale_tv, {**_dppo(0.15), "stale_alpha": _STALE_ALPHA}, "binary_tv",
+                                 inputs=("staleness",)),
+    "dppo_stale_kl": TrustRegion(dppo_stale_kl, {**_dppo(0.05), "stale_alpha": _STALE_ALPHA}, "binary_kl",
+                                 inputs=("staleness",)),
+    "dppo_sat_tv": TrustRegion(dppo_sat_tv, {**_dppo(0.15), **_SAT}, "binary_tv"),
+    "dppo_sat_kl": TrustRegion(dppo_sat_kl, {**_dppo(0.05), **_SAT}, "binary_kl"),
 }
 
 DEFAULT_TOP_K = 20
@@ -260,6 +344,11 @@ def all_params() -> dict[str, Param]:
         for name, param in region.params.items():
             out.setdefault(name, param)
     return out
+
+
+def region_inputs(name: str) -> tuple[str, ...]:
+    """The extra per-token tensors the mask of trust region `name` takes ("staleness"), by keyword."""
+    return TRUST_REGIONS[name].inputs
 
 
 def needs_topk(name: str) -> bool:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_trust_region import REQUIRED, REGIONS, divergence_for, make_batch
+from test_trust_region import REQUIRED, REGIONS, STALENESS, divergence_for, make_batch
 from torch.testing import assert_close
 
 from dppo.losses import AGGREGATIONS, aggregate, aggregation_denominator, drpo_loss, policy_loss
@@ -25,8 +25,9 @@ def tensor(rows, dtype=F64):
 
 
 def extra(name: str) -> dict:
-    """Required parameters (no default) of a trust region."""
-    return {k: v for k, v in REQUIRED.items() if k in TRUST_REGIONS[name].defaults}
+    """Required parameters (no default) of a trust region, and the extra tensors it reads (a version lag of 3)."""
+    inputs = {k: STALENESS for k in TRUST_REGIONS[name].inputs} if name in TRUST_REGIONS else {}
+    return {**{k: v for k, v in REQUIRED.items() if k in TRUST_REGIONS[name].defaults}, **inputs}
 
 
 # ------------------------------------------------------------------------------------------------

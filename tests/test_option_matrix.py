@@ -111,11 +111,15 @@ def _far_batch(trainer):
     gen = torch.Generator().manual_seed(7)
     far = (torch.rand(batch.response_mask.shape, generator=gen) < 0.5) & batch.response_mask
     up = torch.rand(batch.response_mask.shape, generator=gen) < 0.5  # µ above π, or below
-    shift = torch.where(far, torch.where(up, 1.2, -1.2), 0.0)
+    # the other tokens move by ±0.05 so that no π/µ sits at 1 within kernel noise (CPPO's mask flips on the sign of
+    # log π − log µ once a sequence's budget is spent: a tie there made the reference and the trainer disagree)
+    shift = torch.where(far, torch.where(up, 1.2, -1.2), torch.where(up, 0.05, -0.05))
     batch.rollout_logp = torch.where(batch.response_mask, (batch.rollout_logp + shift).clamp(max=-1e-3), 0.0)
     batch.rollout_topk_logp = torch.where(far[..., None], batch.rollout_topk_logp - 1.2, batch.rollout_topk_logp)
     rewards = torch.rand(P * G, generator=gen)
     adv = rewards - rewards.view(P, G).mean(-1).repeat_interleave(G)
+    # a version lag per token, read by the staleness-adaptive regions (the trainer's `step` sets it from the versions)
+    batch.extras["token_staleness"] = torch.randint(0, 5, batch.response_mask.shape, generator=gen)
     return batch, adv
 
 
@@ -138,7 +142,7 @@ def _reference(trainer, batch, adv, cell):
         fn = {"topk_tv": topk_tv, "topk_kl": topk_kl}[region.divergence]
         divergence = fn(scores.topk_logp, old.topk_logp if recompute else batch.rollout_topk_logp, batch.rollout_topk_valid)
     loss, _ = LOSSES[cfg.loss.loss](scores.logp, batch.rollout_logp, adv, batch.response_mask, divergence=divergence,
-                                    old_logp=old.logp if recompute else None,
+                                    old_logp=old.logp if recompute else None, staleness=batch.extras["token_staleness"],
                                     max_response_len=cfg.rollout.max_new_tokens, **cfg.loss.settings())
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, float(loss.detach())

@@ -70,7 +70,8 @@ def test_summaries_and_table():
 def test_methods_follow_presets():
     assert set(SANITY_METHODS) == {"pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl",
                                    "dppo-topk-tv", "dppo-topk-kl", "dppo-recompute",
-                                   "grpo-relax-high", "grpo-relax-low", "grpo-relax-both", "pg-is-neg-mask"}
+                                   "grpo-relax-high", "grpo-relax-low", "grpo-relax-both", "pg-is-neg-mask",
+                                   "dppo-stale-tv", "dppo-sat-tv", "dppo-seq-max", "dppo-seq-k3"}
     for name, loss in SANITY_METHODS.items():
         preset = PRESETS[name][0]().loss
         for key, value in loss.items():
@@ -351,3 +352,23 @@ def test_reverse_study_trains_on_responses_of_at_least_16_tokens(tmp_path):
     summary = report["methods"]["pg-is"]["summary"]
     assert summary["max_mismatch"] is not None and math.isfinite(summary["max_mismatch"])
     assert cmd_sanity(["--task", "reverse", "--min-len", "0", "--out-dir", str(tmp_path / "bad")]) == 2
+
+
+def test_trough_recovery_and_masked_by_staleness():
+    from dppo.studies.sanity.summary import summarize_method, trough_and_recovery
+
+    # drop from 0.99 to a 5-step trough of 0.75 in the first 100 steps, end at 0.87: half way back to 0.95
+    acc = [0.99] * 5 + [0.75] * 10 + [0.85] * 200 + [0.87] * 5
+    out = trough_and_recovery(acc)
+    assert out["trough_accuracy"] == pytest.approx(0.75) and out["recovery"] == pytest.approx(0.6)
+    assert trough_and_recovery([0.97] * 20)["recovery"] is None  # never below 95%: nothing to recover from
+    # a trough after step 100 is not the lag's initial drop
+    assert trough_and_recovery([0.9] * 100 + [0.1] * 10 + [0.9] * 5)["trough_accuracy"] == pytest.approx(0.9)
+    rows = rows_from([0.5] * 6)
+    for i, r in enumerate(rows):
+        r["trust_region/masked_frac_stale_4" if i >= 2 else f"trust_region/masked_frac_stale_{i}"] = 0.01 * (i + 1)
+    s = summarize_run(rows)
+    assert s["masked_by_staleness"] == {"0": 0.01, "1": 0.02, "4": pytest.approx((0.03 + 0.04 + 0.05 + 0.06) / 4)}
+    assert s["seq_removed_pos"] is None  # not logged by this run
+    m = summarize_method([s, {**s, "masked_by_staleness": {"4": 0.09}}])
+    assert m["masked_by_staleness"]["4"] == pytest.approx((0.045 + 0.09) / 2) and m["masked_by_staleness"]["0"] == 0.01

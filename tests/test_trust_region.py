@@ -22,6 +22,8 @@ PROPS = settings(max_examples=40, deadline=None)
 REGIONS = sorted(TRUST_REGIONS)
 REQUIRED = {"relax_alpha": 0.1}
 """Values for the parameters some regions require (default None)."""
+STALENESS = torch.tensor(3.0, dtype=F64)
+"""The version lag the regions that read one (`TrustRegion.inputs`) get where a test gives none."""
 
 
 def region_params(name: str) -> dict:
@@ -54,10 +56,11 @@ def make_batch(seed: int, B: int = 4, T: int = 6, *, V: int = 8, K: int = 3, spr
     mask = torch.arange(T)[None, :] < lengths[:, None]
     adv = torch.randn(B, generator=g, dtype=F64)
     adv[torch.rand(B, generator=g) < 0.2] = 0.0
+    staleness = torch.randint(0, 9, (B, T), generator=g)
     pick = lambda lq: lq.gather(-1, a[..., None])[..., 0].to(dtype)  # noqa: E731
     cells_mu, cells_pi = lmu.gather(-1, ids).to(dtype), lpi.gather(-1, ids).to(dtype)
     return dict(
-        logp=pick(lpi), rollout_logp=pick(lmu), old_logp=pick(lold), adv=adv.to(dtype), mask=mask,
+        logp=pick(lpi), rollout_logp=pick(lmu), old_logp=pick(lold), adv=adv.to(dtype), mask=mask, staleness=staleness,
         topk_tv=topk_tv(cells_pi, cells_mu, valid), topk_kl=topk_kl(cells_pi, cells_mu, valid),
     )
 
@@ -67,11 +70,17 @@ def divergence_for(name: str, batch: dict):
     return batch[kind] if kind in ("topk_tv", "topk_kl") else None
 
 
+def inputs_for(name: str, batch: dict) -> dict:
+    """The extra tensors a region reads (`TrustRegion.inputs`: the batch's per-token staleness)."""
+    return {k: batch.get(k, STALENESS) for k in TRUST_REGIONS[name].inputs}
+
+
 def call_region(name: str, batch: dict, logp=None, anchor=None):
     logp = batch["logp"] if logp is None else logp
     anchor = batch["rollout_logp"] if anchor is None else anchor
     adv = batch["adv"][:, None].expand_as(logp)
-    return TRUST_REGIONS[name].fn(logp, anchor, adv, batch["mask"], divergence_for(name, batch), **region_params(name))
+    return TRUST_REGIONS[name].fn(logp, anchor, adv, batch["mask"], divergence_for(name, batch),
+                                  **{k: v.expand_as(logp) for k, v in inputs_for(name, batch).items()}, **region_params(name))
 
 
 batch_args = dict(seed=st.integers(0, 2**31 - 1), spread=st.sampled_from([0.1, 0.5, 1.5, 4.0]))
@@ -111,7 +120,8 @@ def test_region_masks_a_large_move_away(name):
     batch["topk_tv"] = (mu - pi).abs()  # a two-cell partition: TV = |µ − π|
     batch["topk_kl"] = binary_kl(pi.log(), mu.log())
     adv = batch["adv"][None, :]
-    keep = TRUST_REGIONS[name].fn(pi.log(), mu.log(), adv, batch["mask"], divergence_for(name, batch), **region_params(name))
+    keep = TRUST_REGIONS[name].fn(pi.log(), mu.log(), adv, batch["mask"], divergence_for(name, batch),
+                                  **{k: v.expand_as(adv) for k, v in inputs_for(name, batch).items()}, **region_params(name))
     negatives_only = name == "pg_is_neg_mask"  # Fig. 5's mask leaves positive samples alone by design
     assert keep.tolist() == [[True, negatives_only, False]]
 
@@ -150,7 +160,8 @@ def test_policy_gradient_is_zero_where_masked_and_weighted_where_kept(name, seed
     logp = batch["logp"].clone().requires_grad_(True)
     loss, _ = policy_loss(logp, batch["rollout_logp"], batch["adv"], batch["mask"], trust_region=name,
                           divergence=divergence_for(name, batch), is_cap=is_cap, aggregation=aggregation,
-                          **{k: v for k, v in REQUIRED.items() if k in TRUST_REGIONS[name].defaults})
+                          **{k: v for k, v in REQUIRED.items() if k in TRUST_REGIONS[name].defaults},
+                          **inputs_for(name, batch))
     loss.backward()
     keep = call_region(name, batch)
     mask = batch["mask"]

@@ -21,6 +21,7 @@ import yaml
 
 from dppo.advantages import ADVANTAGES
 from dppo.losses import AGGREGATIONS, ANCHORS, LOSSES
+from dppo.sequence_mask import SEQUENCE_MASKS, SEQUENCE_SIDES, SEQUENCE_UNITS
 from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params, check_param, needs_topk, region_params
 
 
@@ -256,7 +257,7 @@ class _LossSettings:
     """masked_is = Eq. 23 with the trust-region mask (every method but DRPO); drpo = DRPO's penalty."""
     trust_region: str = "dppo_binary_tv"
     """A name in dppo.trust_region.TRUST_REGIONS (dppo_binary_tv, dppo_binary_kl, dppo_topk_tv, dppo_topk_kl,
-    ppo_clip, ppo_clip_relax, none, cppo, pg_is_neg_mask)."""
+    ppo_clip, ppo_clip_relax, none, cppo, pg_is_neg_mask, dppo_stale_tv, dppo_stale_kl, dppo_sat_tv, dppo_sat_kl)."""
     anchor: Literal["rollout", "recompute"] = "rollout"
     """Mask anchor: rollout µ (default, free) or the recomputed pre-update policy (extra forward pass)."""
     is_cap: float = 10.0
@@ -265,6 +266,19 @@ class _LossSettings:
     """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
     drpo_delta: float = 0.15
     """DRPO's δ in the penalty |Â|/(2δ)·µ·(r−1)²."""
+    sequence_mask: Literal["none", "max_divergence", "mean_k3", "mean_k1"] = "none"
+    """Also drop whole responses (or turns, see sequence_unit) whose statistic exceeds sequence_delta: max_divergence
+    (largest token divergence of the trust region's estimate), mean_k3 (mean k3 estimate of KL(µ‖π)), mean_k1 (mean
+    log µ/π, DeepSeek-V3.2's off-policy mask with sequence_sides negative); composes with any trust region."""
+    sequence_delta: float | None = None
+    """Threshold of the sequence mask (None = its default: max_divergence 0.5, mean_k3 0.05, mean_k1 0.05)."""
+    sequence_unit: Literal["response", "turn"] = "response"
+    """What the sequence mask drops: a whole response, or (multi-turn episodes) one turn of it."""
+    sequence_sides: Literal["both", "negative"] = "both"
+    """Which units the sequence mask may drop: both signs of the advantage, or only Â < 0."""
+    split_mismatch: bool = False
+    """Report π/µ = (π_old/µ)·(π/π_old) split per step (mismatch/old_rollout_tv_mean, mismatch/current_old_tv_mean and
+    the masked share attributed to each factor); costs one no-grad forward per step unless anchor is recompute."""
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -285,11 +299,20 @@ class _LossSettings:
             raise ConfigError(f"loss.{exc}") from None
         if self.loss == "drpo" and self.anchor != "rollout":
             _fail("loss.anchor", "drpo has no mask, so only the 'rollout' anchor applies")
+        for name, choices in (("sequence_mask", SEQUENCE_MASKS), ("sequence_unit", SEQUENCE_UNITS),
+                              ("sequence_sides", SEQUENCE_SIDES)):
+            if getattr(self, name) not in choices:
+                _fail(f"loss.{name}", f"unknown {getattr(self, name)!r}; valid: {', '.join(choices)}")
+        if self.sequence_delta is not None and not (isinstance(self.sequence_delta, (int, float))
+                                                    and math.isfinite(self.sequence_delta)):
+            _fail("loss.sequence_delta", f"expected a finite number, got {self.sequence_delta!r}")
+        if self.loss == "drpo" and self.sequence_mask != "none":
+            _fail("loss.sequence_mask", "drpo has no mask to combine a sequence mask with")
 
     def settings(self) -> dict[str, Any]:
         """The keyword settings a `dppo.losses.LOSSES` entry takes: every field but `loss` (None = the trust
         region's default)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "loss"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("loss", "split_mismatch")}
 
     def mask_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `dppo.losses.policy_loss` (the earlier name of `settings` less drpo_delta)."""

@@ -116,6 +116,14 @@ PRESETS: dict[str, tuple[Callable[[], Config], str]] = {
                         "relax-alpha ablation (par. 6): clip-higher 0.2/0.28, no clip where mu < 0.1 (either sign of A)"),
     "cppo": (_method(trust_region="cppo"), "CPPO cumulative position-weighted TV budget (beyond the paper)"),
     "pg-is-neg-mask": (_method(trust_region="pg_is_neg_mask", is_cap=math.inf), "Fig. 5: PG-IS, only negative samples with mu - pi >= 0.5 masked"),
+    "dppo-stale-tv": (_method(trust_region="dppo_stale_tv"),
+                      "staleness-adaptive DPPO-Binary-TV: delta(tau) = 0.15 / (1 + alpha tau), tau = version lag"),
+    "dppo-sat-tv": (_method(trust_region="dppo_sat_tv"),
+                    "SAT-like DPPO-Binary-TV: delta x kappa on the advantage's side for the batch's |log pi/mu| tail"),
+    "dppo-seq-max": (_method(trust_region="dppo_binary_tv", sequence_mask="max_divergence"),
+                     "DPPO-Binary-TV + drop responses whose largest token TV exceeds loss.sequence_delta"),
+    "dppo-seq-k3": (_method(trust_region="dppo_binary_tv", sequence_mask="mean_k3"),
+                    "DPPO-Binary-TV + drop responses whose mean k3 KL estimate exceeds loss.sequence_delta"),
     "drpo": (_method(loss="drpo"), "DRPO quadratic divergence penalty, no mask (beyond the paper)"),
 }
 

@@ -258,7 +258,7 @@ class Trainer:
         with timer.time("reward"):  # after the agreement: under torchrun a collective (the global batch's rewards)
             adv, adv_stats = self._advantages(rewards)
         with timer.time("recompute"):
-            old = self._recompute(batch) if cfg.loss.anchor == "recompute" else None
+            old = self._recompute(batch) if cfg.loss.anchor == "recompute" or cfg.loss.split_mismatch else None
         with timer.time("training"):
             update_stats = self._update(batch, adv, old, timer)
         with timer.time("sync"):
@@ -380,16 +380,22 @@ class Trainer:
         return acc.result()
 
     def _loss(self, batch, micro, scores, adv, old, denom):
-        """The loss of one micro-batch (a `dppo.losses.LOSSES` entry) and its metrics."""
+        """The loss of one micro-batch (a `dppo.losses.LOSSES` entry) and its metrics. `old` (π_old's scores) is the
+        recompute anchor, or with anchor rollout only the reference of the mismatch split (loss.split_mismatch)."""
         mask, rollout_logp = batch.loss_mask[micro], batch.rollout_logp[micro]  # generated tokens only
+        anchor_old = old if self.cfg.loss.anchor == "recompute" else None
         divergence = None
         if self.topk_divergence is not None:  # Top-K regions: the divergence against the anchor's top-K cells
-            anchor_cells = old.topk_logp[micro] if old is not None else batch.rollout_topk_logp[micro]
+            anchor_cells = anchor_old.topk_logp[micro] if anchor_old is not None else batch.rollout_topk_logp[micro]
             divergence = self.topk_divergence(scores.topk_logp, anchor_cells, batch.rollout_topk_valid[micro])
+        stale = batch.extras.get("token_staleness", batch.extras.get("staleness"))
+        turn = batch.extras.get("turn_index")
         loss, stats = self.loss_fn(scores.logp, rollout_logp, adv[micro], mask, divergence=divergence,
-                                   old_logp=old.logp[micro] if old is not None else None,
+                                   old_logp=anchor_old.logp[micro] if anchor_old is not None else None,
                                    max_response_len=self.max_response_len, denominator=denom,
-                                   **self.loss_settings)
+                                   staleness=stale[micro] if stale is not None else None,
+                                   turn_index=turn[micro] if turn is not None else None,
+                                   n_turns=max(self.cfg.env.max_turns, 1), **self.loss_settings)
         stats = dict(stats)
         if "keep" in stats:
             keep = stats.pop("keep")
@@ -400,6 +406,10 @@ class Trainer:
             if "turn_index" in batch.extras:  # masked tokens per turn of an episode
                 stats["masked_by_turn"], stats["n_by_turn"] = metrics.per_group_sums(
                     ~keep, mask, batch.extras["turn_index"][micro], self.cfg.env.max_turns)
+            if old is not None and self.cfg.loss.split_mismatch:
+                split = metrics.mismatch_split(scores.logp.detach(), old.logp[micro], rollout_logp, mask, keep)
+                split.pop("n_tokens")  # (the loss's own count)
+                stats.update(split)
         return loss, stats
 
     def _optimizer_step(self, loss_finite: Tensor) -> Tensor:
@@ -589,9 +599,14 @@ class _Accumulator:
         for key in ("masked_frac", "ratio_mean", "ratio_above_cap_frac"):
             if key in stats:
                 self._add(f"trust_region/{key}" if key == "masked_frac" else f"ratio/{key.replace('ratio_', '')}", stats[key], n)
-        for key, w in (("masked_frac_pos", "n_pos"), ("masked_frac_neg", "n_neg")):
+        for key, w in (("masked_frac_pos", "n_pos"), ("masked_frac_neg", "n_neg"),
+                       ("seq_removed_frac_pos", "seq_n_units_pos"), ("seq_removed_frac_neg", "seq_n_units_neg"),
+                       ("seq_removed_token_frac_pos", "seq_n_tokens_pos"), ("seq_removed_token_frac_neg", "seq_n_tokens_neg")):
             if key in stats:
                 self._add(f"trust_region/{key}", stats[key], stats[w])
+        for key in metrics.SPLIT_KEYS:  # the mismatch split (loss.split_mismatch), per active token
+            if key in stats:
+                self._add(key, stats[key], n)
         self.ratio_max = torch.maximum(self.ratio_max, stats["ratio_max"].float())
         if "masked_mu_hist" in stats:
             self.hist += stats["masked_mu_hist"]

@@ -1,6 +1,6 @@
 """The study's one config: `SanityConfig`, its fields the `dppo sanity` flags (read by tyro), checked once.
 
-    dppo sanity [--methods all|key|relax|delta|fig5|NAME[:field=value...],...] [--seeds 0,1,2] [--steps 60]
+    dppo sanity [--methods all|key|relax|delta|fig5|stale|NAME[:field=value...],...] [--seeds 0,1,2] [--steps 60]
                 [--task addition|reverse] [--min-len 16] [--max-len 20]
                 [--lr 3e-4 (addition) | 1e-4 (reverse)] [--prompts-per-step 32] [--group-size 8] [--mini-batches 4]
                 [--engine-dtype bfloat16|float32] [--logit-noise SIGMA] [--mismatch none|bf16|fp8|lag:K|noise:SIGMA]
@@ -93,7 +93,7 @@ class SanityConfig:
     methods: MethodList = ("all",)
     """Method specs NAME[:field=value...] (e.g. dppo-binary-tv:delta=0.1) or groups: all (Fig. 3's 9 methods),
     key (the 6 of the mismatch study), relax (the relax-alpha ablation), delta (the delta sweep of F.4), fig5
-    (PG-IS with the negative-sample mask)."""
+    (PG-IS with the negative-sample mask), stale (the trust regions for stale data beside 5 baselines)."""
     seeds: SeedList = (0, 1, 2)
     """RL seeds (sampling, data order, mini-batch split, logit noise); every run starts from the same warm start."""
     steps: int = 60

@@ -14,7 +14,13 @@ study (and those of the `--control` DIRs into another), and prints one markdown 
 - **mismatch by part**: the seed-mean of `mismatch/binary_tv_mean` (mean |π − µ| at the start of a step) averaged
   over each of `--parts` equal spans of the run, first → last: a mismatch that grows with the policy shows as a
   rising sequence (Fig. 3 of the paper), a trust region that holds it shows as a flat or falling one;
-- max mismatch (largest step value over seeds) and the mean masked fraction.
+- max mismatch (largest step value over seeds) and the mean masked fraction;
+- **drop → recovery**: the seed-mean trough (lowest 5-step running mean of the accuracy in the first 100 steps, the
+  drop a stale engine causes) and the seed-mean share of the way from it back to 95% the final accuracy went
+  (`dppo.studies.sanity.summary.trough_and_recovery`; "-" for files written before it);
+- **masked by staleness**: the masked share at the version lag that trained most steps (the lag K of a stale engine;
+  `masked_by_staleness`), and with `--split` the mismatch split's columns (mean |π_old − µ|, mean |π − π_old|, the
+  masked share attributed to each factor) and the sequence mask's removed shares.
 
 A method found in several DIRs with disjoint seeds (more seeds run later, or in parallel) is merged: its per-seed
 summaries are pooled and its curves combined. Merging refuses studies whose settings differ in anything but the
@@ -140,16 +146,37 @@ def method_row(m: dict[str, Any], parts: int = 4) -> dict[str, Any]:
         "per_seed": [(p.get("seed"), p.get("final_accuracy"), bool(p.get("collapsed"))) for p in per_seed],
         "mismatch_parts": mismatch_by_part(curve, parts) if len(curve.get("mean") or []) >= parts else [],
         "max_mismatch": s["max_mismatch"], "masked": s["masked_frac"],
+        "trough": s.get("trough_accuracy"), "recovery": s.get("recovery"),
+        "masked_by_staleness": s.get("masked_by_staleness") or {},
+        **{k: s.get(k) for k in ("seq_removed_pos", "seq_removed_neg", "old_rollout_tv", "current_old_tv",
+                                 "masked_from_mismatch", "masked_from_update")},
     }
 
 
-def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, parts: int = 4) -> str:
-    """The markdown table of `study` (merged by `load_study`), with the control's columns when given."""
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _at_lag(by_tau: dict[str, float]) -> str:
+    """The masked share at the largest staleness logged (the stale engine's lag), e.g. "τ4 3.9%"."""
+    if not by_tau:
+        return "-"
+    tau = max(by_tau, key=int)
+    return f"τ{tau} {_pct(by_tau[tau])}"
+
+
+def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, parts: int = 4,
+                 split: bool = False) -> str:
+    """The markdown table of `study` (merged by `load_study`), with the control's columns when given, and the
+    sequence-mask and mismatch-split columns with `split`."""
     head = ["method"]
     if control is not None:
         head += ["control: final acc", f"≥ {TARGET_FINAL}", "collapsed"]
     head += ["final acc (min–max)", "collapsed", "per seed (✗ collapsed)", "peak", f"≥ {TARGET_FINAL}",
-             f"mismatch by {'quarter' if parts == 4 else 'part'}", "max", "masked"]
+             f"mismatch by {'quarter' if parts == 4 else 'part'}", "max", "masked", "drop → recovery",
+             "masked by staleness"]
+    if split:
+        head += ["seq removed Â>0 / Â<0", "|π_old−µ|", "|π−π_old|", "masked: mismatch / update"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in study["methods"].items():
         r = method_row(m, parts)
@@ -164,7 +191,13 @@ def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, p
         cells += [f"{_f(r['final'])} ({_f(r['min'], '.2f')}–{_f(r['max'], '.2f')})", f"{r['collapsed']}/{r['seeds']}",
                   seeds, _f(r["peak"]), f"{r['at_target']}/{r['seeds']}",
                   " → ".join(_f(x) for x in r["mismatch_parts"]) or "-", _f(r["max_mismatch"], ".2f"),
-                  f"{100 * r['masked']:.1f}%" if r["masked"] is not None else "-"]
+                  _pct(r["masked"]),
+                  "-" if r["trough"] is None else f"{_f(r['trough'], '.2f')} → {_f(r['recovery'], '.2f')}",
+                  _at_lag(r["masked_by_staleness"])]
+        if split:
+            cells += [f"{_pct(r['seq_removed_pos'])} / {_pct(r['seq_removed_neg'])}", _f(r["old_rollout_tv"], ".4f"),
+                      _f(r["current_old_tv"], ".4f"),
+                      f"{_pct(r['masked_from_mismatch'])} / {_pct(r['masked_from_update'])}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -176,6 +209,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", type=int, default=4, help="spans the mismatch curve is averaged over")
     p.add_argument("--plot", default=None, help="write the merged study's curves (sanity.png layout) here")
     p.add_argument("--json", default=None, help="write the rows (and the merged settings) here as JSON")
+    p.add_argument("--split", action="store_true",
+                   help="add the sequence mask's removed shares and the mismatch split's columns")
     return p
 
 
@@ -186,7 +221,7 @@ def cmd_report(argv: list[str]) -> int:
         control = load_study(args.control) if args.control else None
         if control is not None:
             check_control(study, control)
-        table = report_table(study, control, args.parts)
+        table = report_table(study, control, args.parts, args.split)
     except ValueError as exc:
         print(f"dppo sanity report: error: {exc}")
         return 2

@@ -5,7 +5,14 @@ Summary per run (`summarize_run`, from the run's `metrics.jsonl` rows):
 - steps to 90%: first step whose `reward/accuracy` ≥ 0.9 ("-" if never);
 - start / max / final mismatch: first-5-step mean, max and last-5-step mean of `mismatch/binary_tv_mean` (mean
   |π−µ| at the start of a step; final well above start = the mismatch drifted up);
-- masked fraction: mean of `trust_region/masked_frac` over steps;
+- masked fraction: mean of `trust_region/masked_frac` over steps, and per staleness τ (the version lag of the trained
+  responses) the mean of `trust_region/masked_frac_stale_τ` over the steps that trained responses of that lag;
+- trough and recovery: the lowest 5-step running mean of the accuracy in the first 100 steps (the initial drop a
+  stale engine causes) and how much of the way from it back to 95% the final accuracy went,
+  (final − trough) / (0.95 − trough) (1 = back at 95%, 0 = no better than the trough; none when the trough is
+  ≥ 0.95);
+- when logged, the mean share of responses the sequence mask removed (Â > 0 / Â < 0) and the mismatch split
+  (mean |π_old − µ|, mean |π − π_old|, the masked share attributed to each);
 - **collapsed** (`is_collapsed`): yes when (a) the final accuracy is below half of the run's peak accuracy
   (peak of the 5-step running mean over full windows) and the peak is at least 0.05 above the final value, or (b)
   for 5 consecutive steps every group had zero advantage while accuracy was below 0.5 (all-wrong groups: no
@@ -28,6 +35,15 @@ WINDOW = 5  # steps averaged for "final" values and the running peak
 COLLAPSE_RATIO = 0.5
 COLLAPSE_ZERO_ADV_STEPS = 5
 TARGET_ACCURACY = 0.9
+RECOVERY_TARGET = 0.95
+TROUGH_STEPS = 100
+OPTIONAL_MEANS = {
+    "seq_removed_pos": "trust_region/seq_removed_frac_pos", "seq_removed_neg": "trust_region/seq_removed_frac_neg",
+    "old_rollout_tv": "mismatch/old_rollout_tv_mean", "current_old_tv": "mismatch/current_old_tv_mean",
+    "masked_from_mismatch": "trust_region/masked_frac_from_mismatch",
+    "masked_from_update": "trust_region/masked_frac_from_update",
+}
+"""Summary key -> metric averaged over steps, for metrics only some methods log (None when a run has none)."""
 
 
 def _series(rows: Sequence[dict], key: str) -> list[float]:
@@ -97,9 +113,29 @@ def summarize_run(rows: Sequence[dict]) -> dict[str, Any]:
         "max_mismatch": max(tv) if tv else None,
         "final_mismatch": _mean(tv[-WINDOW:]),
         "masked_frac": _mean(_series(rows, "trust_region/masked_frac")),
+        "masked_by_staleness": masked_by_staleness(rows),
+        **trough_and_recovery(acc),
+        **{key: _mean(_series(rows, metric)) for key, metric in OPTIONAL_MEANS.items()},
         "collapsed": collapsed,
         "collapse_reason": reason,
     }
+
+
+def masked_by_staleness(rows: Sequence[dict]) -> dict[str, float]:
+    """Staleness τ (as a string, for JSON) -> mean of `trust_region/masked_frac_stale_τ` over the steps that logged it."""
+    prefix = "trust_region/masked_frac_stale_"
+    keys = sorted({k for r in rows for k in r if k.startswith(prefix)}, key=lambda k: int(k[len(prefix):]))
+    return {k[len(prefix):]: _mean(_series(rows, k)) for k in keys}
+
+
+def trough_and_recovery(acc: Sequence[float]) -> dict[str, float | None]:
+    """{"trough_accuracy", "recovery"} of an accuracy series (see the module docstring)."""
+    if not acc:
+        return {"trough_accuracy": None, "recovery": None}
+    trough = min(running_mean(list(acc[:TROUGH_STEPS])))
+    final = _mean(acc[-WINDOW:])
+    recovery = (final - trough) / (RECOVERY_TARGET - trough) if trough < RECOVERY_TARGET else None
+    return {"trough_accuracy": trough, "recovery": recovery}
 
 
 def summarize_method(per_seed: Sequence[dict]) -> dict[str, Any]:
@@ -121,6 +157,13 @@ def summarize_method(per_seed: Sequence[dict]) -> dict[str, Any]:
         "max_mismatch": max((s["max_mismatch"] for s in per_seed if s["max_mismatch"] is not None), default=None),
         "final_mismatch": avg("final_mismatch"),
         "masked_frac": avg("masked_frac"),
+        "masked_by_staleness": {tau: _mean([s["masked_by_staleness"][tau] for s in per_seed
+                                            if tau in (s.get("masked_by_staleness") or {})])
+                                for tau in sorted({t for s in per_seed for t in (s.get("masked_by_staleness") or {})},
+                                                  key=int)},
+        "trough_accuracy": avg("trough_accuracy"),
+        "recovery": avg("recovery"),
+        **{key: avg(key) for key in OPTIONAL_MEANS},
         "collapsed": sum(bool(s["collapsed"]) for s in per_seed),
         "eval_pass@1": avg("eval_pass@1"),
         "seconds": avg("seconds"),
