@@ -49,6 +49,9 @@ def test_collapse_by_dead_groups():
     assert not is_collapsed(rows_from([1.0] * 8, zero=[1.0] * 8))[0]
     # four dead steps are not enough
     assert not is_collapsed(rows_from([0.3] * 5 + [0.3] * 4, zero=[0.0] * 5 + [1.0] * 4))[0]
+    # five dead steps, then a stale engine brings a gradient back and the run climbs to 0.6: not a collapse
+    acc, zero = [0.9] * 5 + [0.45] * 5 + [0.6] * 10, [0.0] * 5 + [1.0] * 5 + [0.0] * 10
+    assert not is_collapsed(rows_from(acc, zero=zero))[0]
 
 
 def test_summaries_and_table():

@@ -15,8 +15,9 @@ Summary per run (`summarize_run`, from the run's `metrics.jsonl` rows):
   (mean |π_old − µ|, mean |π − π_old|, the masked share attributed to each);
 - **collapsed** (`is_collapsed`): yes when (a) the final accuracy is below half of the run's peak accuracy
   (peak of the 5-step running mean over full windows) and the peak is at least 0.05 above the final value, or (b)
-  for 5 consecutive steps every group had zero advantage while accuracy was below 0.5 (all-wrong groups: no
-  gradient ever again). Per method, the table reports how many seeds collapsed.
+  for 5 consecutive steps every group had zero advantage while accuracy was below 0.5 and the run ended below 0.5
+  (all-wrong groups: no gradient ever again; under a stale engine the engine's older weights can bring a gradient
+  back, and a run that then climbs above 0.5 is not counted). Per method, the table reports how many seeds collapsed.
 
 Per method (`summarize_method`) the means over seeds, the min–max of the final accuracy and the median steps to
 90% over the seeds that reached it. `sanity.png` (`plot_sanity`) shows training reward, the mismatch mean |π−µ| and
@@ -72,18 +73,19 @@ def steps_to_accuracy(rows: Sequence[dict], target: float = TARGET_ACCURACY) -> 
 def is_collapsed(rows: Sequence[dict]) -> tuple[bool, str]:
     """(collapsed, reason). Collapsed when (a) the final accuracy (mean of the last 5 steps) is below half of the
     peak 5-step running mean (full windows), and the drop is at least 0.05; or (b) 5 consecutive steps had every group with
-    zero advantage (`advantage/zero_group_frac` == 1) while accuracy was below 0.5."""
+    zero advantage (`advantage/zero_group_frac` == 1) while accuracy was below 0.5, and the final accuracy is below
+    0.5 too (a stale engine can sample a gradient back into a run whose trainer had none for a while)."""
     acc = _series(rows, "reward/accuracy")
     if not acc:
         return False, "no steps"
+    final = _mean(acc[-WINDOW:])
     streak = 0
     for r in rows:
         dead = float(r.get("advantage/zero_group_frac", 0.0)) >= 1.0 - 1e-9 and float(r.get("reward/accuracy", 0.0)) < 0.5
         streak = streak + 1 if dead else 0
-        if streak >= COLLAPSE_ZERO_ADV_STEPS:
+        if streak >= COLLAPSE_ZERO_ADV_STEPS and final < 0.5:
             return True, f"every group zero-advantage for {COLLAPSE_ZERO_ADV_STEPS} steps (from step {int(r.get('step', 0)) - streak + 1})"
     peak = max(running_mean(acc))
-    final = _mean(acc[-WINDOW:])
     if final < COLLAPSE_RATIO * peak and peak - final >= 0.05:
         return True, f"final accuracy {final:.3f} < {COLLAPSE_RATIO} x peak {peak:.3f}"
     return False, ""
