@@ -33,10 +33,13 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.fil
 G = 4  # generations per prompt
 NON_DEFAULT = {"delta_low": 0.5, "delta_high": 0.9, "eps_low": 0.5, "eps_high": 1.0, "relax_alpha": 0.05,
                "relax_side": "high", "cppo_w_min": 0.7, "cppo_delta_b_min": 0.03, "cppo_q": 0.8, "cppo_k": 1.5,
-               "neg_delta": 0.1}
+               "neg_delta": 0.1, "sat_quantile": 0.7, "sat_shrink": 0.3}
 """A value other than the registry's default for every trust-region parameter, given to both the config and the
 reference, so that a parameter lost on its way from the config to the mask changes the loss."""
 CONFIG_NAME = {"eps_low": "epsilon", "eps_high": "epsilon_high"}  # the ratio-clip ε are TRL's own fields
+REGIONS = sorted(name for name, region in TRUST_REGIONS.items() if not getattr(region, "inputs", ()))
+"""The trust regions DPPOTrainer runs: those that take no per-token input beyond TRL's tensors (the others are
+refused by DPPOConfig, `test_regions_with_inputs_are_refused`)."""
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +66,12 @@ def reward_fn(completions, answer, **_):
 
 @pytest.fixture
 def make_trainer(integ, tokenizer, make_tiny_model, dataset, tmp_path):
-    """`make_trainer(trainer_cls=DPPOTrainer, config_cls=DPPOConfig, rollout_func=None, model_overrides=None, **config)`
-    on a fresh tiny model (TRL patches the model's forward, so every trainer gets its own)."""
+    """`make_trainer(trainer_cls=DPPOTrainer, config_cls=DPPOConfig, rollout_func=None, model_overrides=None,
+    model_generation_config=None, **config)` on a fresh tiny model (TRL patches the model's forward, so every trainer
+    gets its own); `model_generation_config` sets attributes of the model's own generation_config."""
 
-    def make(trainer_cls=None, config_cls=None, rollout_func=None, model_overrides=None, **overrides):
+    def make(trainer_cls=None, config_cls=None, rollout_func=None, model_overrides=None, model_generation_config=None,
+             **overrides):
         settings = dict(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False,
                         gradient_checkpointing=False, learning_rate=1e-3, beta=0.0, num_generations=G,
                         per_device_train_batch_size=8, max_completion_length=10, max_steps=1, logging_steps=1,
@@ -76,6 +81,8 @@ def make_trainer(integ, tokenizer, make_tiny_model, dataset, tmp_path):
         config = (config_cls or integ.DPPOConfig)(**settings)
         kwargs = {"rollout_func": rollout_func} if rollout_func is not None else {}
         model = make_tiny_model(seed=0, **(model_overrides or {}))
+        for name, value in (model_generation_config or {}).items():
+            setattr(model.generation_config, name, value)
         return (trainer_cls or integ.DPPOTrainer)(model=model, reward_funcs=reward_fn, args=config,
                                                   train_dataset=dataset, processing_class=tokenizer, **kwargs)
 
@@ -170,6 +177,13 @@ def test_config_defaults_are_dppos(integ, tmp_path):
 def test_config_refuses_naming_the_field(integ, tmp_path, overrides, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):
         integ.DPPOConfig(output_dir=str(tmp_path), use_cpu=True, **overrides)
+
+
+@needs_trl
+@pytest.mark.parametrize("region", sorted(set(TRUST_REGIONS) - set(REGIONS)))
+def test_regions_with_inputs_are_refused(integ, tmp_path, region):
+    with pytest.raises(ValueError, match=rf"^trust_region: '{region}' needs per-token inputs"):
+        integ.DPPOConfig(output_dir=str(tmp_path), use_cpu=True, trust_region=region)
 
 
 @needs_trl
@@ -314,7 +328,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 
 @needs_trl
-@pytest.mark.parametrize("region", sorted(TRUST_REGIONS))
+@pytest.mark.parametrize("region", REGIONS)
 def test_loss_and_gradient_equal_policy_loss(make_trainer, region):
     """DPPOTrainer's loss and gradient equal `dppo.losses.policy_loss` (token-mean over the batch's active tokens, TRL's
     default "dapo") for every registered trust region, its parameters set away from their defaults (and shown to change

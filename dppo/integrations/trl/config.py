@@ -17,7 +17,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from dppo.train.config import ConfigError, LossConfig
-from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk, region_params
+from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params, needs_topk, region_params
 
 __all__ = ["DPPOConfig", "LOSS_TYPE_AGGREGATION", "NOT_SAMPLED", "check_sampling", "check_server_logprobs"]
 
@@ -176,6 +176,9 @@ def _check_dppo(cfg) -> None:
     if cfg.loss_type not in LOSS_TYPE_AGGREGATION:
         raise ValueError(f"loss_type: {cfg.loss_type!r} has no DPPO aggregation; valid: "
                          + ", ".join(f"{k} ({v})" for k, v in LOSS_TYPE_AGGREGATION.items()))
+    if cfg.trust_region in TRUST_REGIONS and getattr(TRUST_REGIONS[cfg.trust_region], "inputs", ()):
+        raise ValueError(f"trust_region: {cfg.trust_region!r} needs per-token inputs DPPOTrainer does not provide ("
+                         f"{', '.join(TRUST_REGIONS[cfg.trust_region].inputs)}); use it with `dppo train`")
     region = {name: getattr(cfg, name) for name in _REGION_FIELDS}
     try:  # the checks of dppo's own `loss` config section, so that both accept and refuse the same values
         LossConfig(trust_region=cfg.trust_region, anchor=cfg.anchor, is_cap=cfg.is_cap, aggregation=cfg.aggregation,
