@@ -13,7 +13,6 @@ import importlib.util
 import math
 import subprocess
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 

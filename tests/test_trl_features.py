@@ -15,8 +15,9 @@ import torch
 
 from dppo.losses import policy_loss
 from dppo.trust_region import TRUST_REGIONS
-from test_integration_trl import (NON_DEFAULT, REGIONS, dataset, grads, group_inputs, integ, make_trainer,  # noqa: F401 - fixtures
-                                  needs_trl, plain_scaled_logits, reward_fn, synthetic_batch)
+from test_integration_trl import dataset, integ, make_trainer  # noqa: F401 - fixtures
+from test_integration_trl import (NON_DEFAULT, REGIONS, grads, group_inputs, needs_trl, plain_scaled_logits, reward_fn,
+                                  synthetic_batch)
 
 pytestmark = [needs_trl, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),

@@ -89,7 +89,8 @@ class ScriptedTurns:
 
     def __init__(self, model, tokenizer, strength: float = 30.0) -> None:
         self.header = torch.tensor(tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
-        self.script = torch.tensor(tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        script = tokenizer(TOOL_CALL, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        self.script = torch.tensor(script)
         self.eos, self.strength, self.head = tokenizer.eos_token_id, strength, model.get_output_embeddings()
         model.base_model.register_forward_hook(self, with_kwargs=True)
 

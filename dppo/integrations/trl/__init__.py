@@ -17,6 +17,16 @@ from; never from a recomputed forward (TRL's `old_per_token_logps` only moves th
   "logprob_token_ids" (same shape, TRL 1.16's rollout_func contract). `dppo_rollout_func` returns exactly that.
   The transformers path above records the same cells when the trust region needs them.
 
+µ's alignment is an invariant checked before the loss: one row per completion, one value (or one row of K+1 cells) per
+completion token, for the completion's own ids. Decoding that does not sample each token from the recorded µ (beam
+search, greedy, assisted/speculative decoding, warpers applied after the recorder: `config.NOT_SAMPLED`) is refused by
+name when the config and the trainer are built; a `generate` that never ran the recorder raises `MuNotRecordedError`.
+
+GRPOTrainer's terms orthogonal to the trust region compose with every region as in GRPOTrainer (`terms`): the entropy
+bonus (fixed or adaptive), the entropy filter (`top_entropy_quantile`) and the off-policy sequence mask
+(`off_policy_mask_threshold`, on `dppo.sequence_mask`). TRL's tool loop (`tools=`, `environment_factory=`) records µ's
+top-K cells for every generated token of every turn, so the Top-K regions train on tool-calling episodes.
+
 Aggregation: TRL's `loss_type` selects one of dppo's aggregation modes (`LOSS_TYPE_AGGREGATION`), with TRL's own
 normalisers, so a recipe's learning rate keeps its meaning. TRL's default "dapo" is token-mean over the active tokens
 of the whole generation batch (dppo's default, the paper's seq-mean-token-sum-norm, is `loss_type="dr_grpo"`). Ratio
@@ -26,9 +36,10 @@ Metrics (per micro-batch, one all-reduce; listed in docs/integrations.md): TRL's
 (`clip_ratio/{low,high,region}_mean` = masked tokens by advantage sign, `sampling/sampling_logp_difference/*`,
 `entropy`), dppo's otherwise (`dppo/masked_frac*`, `dppo/ratio_*`, `dppo/mismatch/*`, `dppo/unscored_frac`).
 
-Layout: `config` (DPPOConfig, its checks, LOSS_TYPE_AGGREGATION), `recorder` (µ recorded during transformers
-generation, the K+1 cells), `trainer` (DPPOTrainer), `rollout_func` (dppo_rollout_func); this module re-exports
-their public names. TRL is imported in this package only: `import dppo` never needs it.
+Layout: `config` (DPPOConfig, its checks, LOSS_TYPE_AGGREGATION, check_sampling), `recorder` (µ recorded during
+transformers generation, the K+1 cells, kept per generated turn), `terms` (off-policy mask, entropy bonus), `trainer`
+(DPPOTrainer), `rollout_func` (dppo_rollout_func); this module re-exports their public names. TRL is imported in
+this package only: `import dppo` never needs it.
 """
 
 from __future__ import annotations
@@ -47,9 +58,11 @@ if not trl.__version__.startswith(TRL_VERSION + "."):
     warnings.warn(f"dppo.integrations.trl is written against TRL {TRL_VERSION}.x (it overrides GRPOTrainer's "
                   f"generation and loss methods); found {trl.__version__}", stacklevel=2)
 
-from dppo.integrations.trl.config import LOSS_TYPE_AGGREGATION, DPPOConfig, check_server_logprobs  # noqa: E402
+from dppo.integrations.trl.config import (LOSS_TYPE_AGGREGATION, NOT_SAMPLED, DPPOConfig,  # noqa: E402
+                                          check_sampling, check_server_logprobs)
+from dppo.integrations.trl.recorder import MuNotRecordedError  # noqa: E402
 from dppo.integrations.trl.rollout_func import DPPORolloutFunc, dppo_rollout_func  # noqa: E402
 from dppo.integrations.trl.trainer import DPPOTrainer  # noqa: E402
 
-__all__ = ["DPPOConfig", "DPPOTrainer", "DPPORolloutFunc", "LOSS_TYPE_AGGREGATION", "check_server_logprobs",
-           "dppo_rollout_func"]
+__all__ = ["DPPOConfig", "DPPOTrainer", "DPPORolloutFunc", "LOSS_TYPE_AGGREGATION", "MuNotRecordedError",
+           "NOT_SAMPLED", "check_sampling", "check_server_logprobs", "dppo_rollout_func"]

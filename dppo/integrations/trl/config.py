@@ -45,7 +45,8 @@ _UNSUPPORTED = {  # GRPOConfig field -> (the value DPPO needs, why)
 with a trust region (entropy bonus, entropy filter, off-policy sequence mask) are kept: see DPPOTrainer."""
 
 _BEAMS = ("beam search keeps the best-scoring of several candidate rows and reorders them at every step: its tokens "
-          "are not draws from the per-token law the µ recorder sees, and the recorder's rows are beams, not completions")
+          "are not draws from the per-token law the µ recorder sees, and the recorder's rows are beams, not "
+          "completions")
 _ASSISTED = ("assisted (speculative) decoding drafts tokens with another model or from the prompt and verifies them in "
              "blocks: the logits processors, and so the µ recorder, do not run once per drawn token")
 _WARPER = ("a sampling warper that transformers applies after DPPOTrainer's µ recorder, so the recorded law would not "
@@ -67,7 +68,8 @@ def _given(v: Any) -> bool:
 NOT_SAMPLED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "do_sample": (lambda v: v is not None and v is not True,
                   "greedy decoding takes the most likely token: the tokens are not drawn from µ"),
-    "temperature": (lambda v: v is not None and v <= 0, "temperature 0 is greedy decoding: µ must be a law sampled from"),
+    "temperature": (lambda v: v is not None and v <= 0,
+                    "temperature 0 is greedy decoding: µ must be a law sampled from"),
     "num_beams": (_above(1), _BEAMS),
     "num_beam_groups": (_above(1), "diverse beam search: " + _BEAMS),
     "constraints": (_given, "constrained beam search: " + _BEAMS),

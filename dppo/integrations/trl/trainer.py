@@ -65,8 +65,8 @@ class DPPOTrainer(GRPOTrainer):
         self._check_backends(args, rollout_func, tools, environment_factory)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
-                         reward_processing_classes=reward_processing_classes, callbacks=callbacks, optimizers=optimizers,
-                         quantization_config=quantization_config, peft_config=peft_config, tools=tools,
+                         reward_processing_classes=reward_processing_classes, callbacks=callbacks,
+                         optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config, tools=tools,
                          rollout_func=rollout_func, environment_factory=environment_factory)
         self._region = args.region_settings()
         self._topk = needs_topk(args.trust_region)
@@ -98,8 +98,8 @@ class DPPOTrainer(GRPOTrainer):
             name = "tools" if tools else "environment_factory"
             raise ValueError(f"{name}: with a rollout_func, TRL generates the turns after a tool call with its own "
                              f"generation, so the rollout_func's µ cells of the first turn and the later turns' cannot "
-                             f"be joined (top_k_logprobs={k}); for top-K with tools leave rollout_func unset (DPPOTrainer "
-                             "records every turn's cells)")
+                             f"be joined (top_k_logprobs={k}); for top-K with tools leave rollout_func unset "
+                             "(DPPOTrainer records every turn's cells)")
 
     # --- generation: record µ --------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -172,7 +172,8 @@ class DPPOTrainer(GRPOTrainer):
             output["old_topk_logp"] = self._old_topk_cells(output)
         return output
 
-    def _split_cells(self, mu: Tensor, topk_ids: list | None, completion_ids: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    def _split_cells(self, mu: Tensor, topk_ids: list | None, completion_ids: Tensor,
+                     mask: Tensor) -> dict[str, Tensor]:
         """[B, T, K+1] cells and their ids (per completion, [n, K+1]) -> µ at the sampled tokens [B, T], and the cells'
         ids, log-probs (0 if unused) and valid slots. Every generated token (`mask`) must be among its cells."""
         if topk_ids is None:
@@ -388,7 +389,7 @@ class DPPOTrainer(GRPOTrainer):
 
 
 def _generated(batch: dict) -> Tensor:
-    """[B, T] bool: the completion tokens the model generated (completion_mask, less tool tokens), GRPOTrainer's mask."""
+    """[B, T] bool: the completion tokens the model generated (completion_mask less tool tokens): GRPOTrainer's mask."""
     mask = batch["completion_mask"].bool()
     return mask & batch["tool_mask"].bool() if "tool_mask" in batch else mask
 
