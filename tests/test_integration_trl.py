@@ -32,13 +32,15 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.fil
 G = 4  # generations per prompt
 NON_DEFAULT = {"delta_low": 0.5, "delta_high": 0.9, "eps_low": 0.5, "eps_high": 1.0, "relax_alpha": 0.05,
                "relax_side": "high", "cppo_w_min": 0.7, "cppo_delta_b_min": 0.03, "cppo_q": 0.8, "cppo_k": 1.5,
-               "neg_delta": 0.1, "sat_quantile": 0.7, "sat_shrink": 0.3}
+               "neg_delta": 0.1, "sat_quantile": 0.7, "sat_shrink": 0.3, "stale_alpha": 4.0}
 """A value other than the registry's default for every trust-region parameter, given to both the config and the
 reference, so that a parameter lost on its way from the config to the mask changes the loss."""
 CONFIG_NAME = {"eps_low": "epsilon", "eps_high": "epsilon_high"}  # the ratio-clip ε are TRL's own fields
-REGIONS = sorted(name for name, region in TRUST_REGIONS.items() if not getattr(region, "inputs", ()))
-"""The trust regions DPPOTrainer runs: those that take no per-token input beyond TRL's tensors (the others are
-refused by DPPOConfig, `test_regions_with_inputs_are_refused`)."""
+REGIONS = sorted(name for name, region in TRUST_REGIONS.items() if set(region.inputs) <= {"staleness"})
+"""The trust regions DPPOTrainer runs: those whose per-token inputs it provides (`config.REGION_INPUTS`: staleness);
+the others are refused by DPPOConfig (`test_regions_with_inputs_are_refused`)."""
+LAGS = [0, 1, 2, 0, 3, 1, 0, 2]
+"""Optimiser steps since each synthetic sequence was sampled (its staleness, for the regions that take it)."""
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +278,8 @@ def test_recorded_mu_is_the_sampling_law(make_trainer, tokenizer):
 def synthetic_batch(trainer, K: int, noise: float = 1.5, seed: int = 0) -> tuple[dict, torch.Tensor]:
     """A scored batch for `trainer`'s model: µ = the policy's law with Gaussian logit noise (so masks bite), the
     completions sampled from µ token by token, µ's top-K cells in the K+1 layout (K > 0), padding on both sides,
-    advantages of both signs and zero. Returns (inputs as `_compute_loss` takes them, µ's log-probs [B, T, V])."""
+    advantages of both signs and zero, sequences sampled `LAGS` steps ago. Returns (inputs as `_compute_loss` takes
+    them, µ's log-probs [B, T, V])."""
     g = torch.Generator().manual_seed(seed)
     B, T, V = 8, 7, trainer.model.config.vocab_size
     prompt_mask = torch.ones(B, 5, dtype=torch.long)
@@ -306,6 +309,7 @@ def synthetic_batch(trainer, K: int, noise: float = 1.5, seed: int = 0) -> tuple
         out["sampling_per_token_logps"] = sampled
     out["advantages"] = torch.tensor([1.5, -0.7, 0.0, 2.0, -1.2, 0.4, -2.0, 0.9])
     out["num_items_in_batch"] = completion_mask.sum()
+    out["generation_step"] = trainer.state.global_step - torch.tensor(LAGS)  # as DPPOTrainer stamps a generation
     return out, mu_full
 
 
@@ -344,6 +348,8 @@ def test_loss_and_gradient_equal_policy_loss(make_trainer, region):
     loss.backward()
     got = grads(trainer.model)
     trainer.model.zero_grad()
+    if TRUST_REGIONS[region].inputs:  # staleness: the lags the generation steps imply
+        settings["staleness"] = torch.tensor(LAGS, dtype=torch.float32)
     ref, stats = reference_loss(trainer.model, out, region, trainer.temperature, is_cap=10.0, aggregation="token-mean",
                                 denominator=out["num_items_in_batch"].float(), **settings)
     ref.backward()
@@ -351,10 +357,16 @@ def test_loss_and_gradient_equal_policy_loss(make_trainer, region):
     if region != "none":
         assert 0 < stats["masked_frac"] < 1, "the batch must exercise the mask"
         with torch.no_grad():
-            defaults = {**TRUST_REGIONS[region].defaults, **{k: v for k, v in settings.items() if k == "relax_alpha"}}
+            defaults = {**TRUST_REGIONS[region].defaults,
+                        **{k: v for k, v in settings.items() if k in ("relax_alpha", "staleness")}}
             _, at_defaults = reference_loss(trainer.model, out, region, trainer.temperature, aggregation="token-mean",
                                             **defaults)
         assert not torch.equal(at_defaults["keep"], stats["keep"]), "the non-default parameters must change the mask"
+        if "staleness" in settings:
+            with torch.no_grad():
+                _, fresh = reference_loss(trainer.model, out, region, trainer.temperature, aggregation="token-mean",
+                                          **{**settings, "staleness": torch.zeros(len(LAGS))})
+            assert not torch.equal(fresh["keep"], stats["keep"]), "the lags must change the mask"
         logged = trainer._metrics["train"]
         for name in ("masked_frac", "masked_frac_pos", "masked_frac_neg", "ratio_mean", "ratio_above_cap_frac"):
             assert logged[f"dppo/{name}"][-1] == pytest.approx(stats[name].item(), rel=1e-5, abs=1e-7), name
@@ -433,14 +445,32 @@ def test_topk_tv_run_through_dppo_rollout_func(integ, make_trainer, engine, anch
     assert syncs == len(range(0, 3, steps_per_generation)) - 1  # one weight sync before each later generation
 
 
+def pushed_past_delta(make_trainer, **config) -> tuple[dict, dict]:
+    """The logs of two optimiser steps on one generation batch at a large learning rate."""
+    trainer = make_trainer(learning_rate=0.05, max_steps=2, steps_per_generation=2, per_device_train_batch_size=8,
+                           max_completion_length=16, **config)
+    trainer.train()
+    first, second = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return first, second
+
+
+@needs_trl
+def test_staleness_is_the_steps_since_the_generation(make_trainer):
+    """dppo_stale_tv in TRL: the first step of a generation batch is fresh (τ = 0: Binary-TV's step exactly), the
+    second is 1 step stale, so δ/(1 + α) with α = 4 masks more tokens than Binary-TV's δ on the same batch and
+    weights."""
+    binary = pushed_past_delta(make_trainer, trust_region="dppo_binary_tv")
+    stale = pushed_past_delta(make_trainer, trust_region="dppo_stale_tv", stale_alpha=4.0)
+    assert stale[0]["loss"] == binary[0]["loss"] and stale[0]["dppo/masked_frac"] == 0
+    assert stale[1]["dppo/mismatch/tv_mean"] == pytest.approx(binary[1]["dppo/mismatch/tv_mean"])
+    assert stale[1]["dppo/masked_frac"] > binary[1]["dppo/masked_frac"] > 0
+
+
 @needs_trl
 def test_masked_fractions_when_pushed_past_delta(make_trainer):
     """Two optimiser steps per generation at a large learning rate: the first (on-policy, µ = π) masks nothing; the
     second, after the policy moved past δ, masks tokens and says so under TRL's and dppo's names."""
-    trainer = make_trainer(trust_region="dppo_binary_tv", learning_rate=0.05, max_steps=2, steps_per_generation=2,
-                           per_device_train_batch_size=8, max_completion_length=16)
-    trainer.train()
-    first, second = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    first, second = pushed_past_delta(make_trainer, trust_region="dppo_binary_tv")
     assert first["dppo/masked_frac"] == first["clip_ratio/region_mean"] == 0
     assert first["dppo/mismatch/tv_mean"] < 1e-5
     assert second["dppo/mismatch/tv_mean"] > 0.05

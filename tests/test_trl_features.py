@@ -16,7 +16,7 @@ import torch
 from dppo.losses import policy_loss
 from dppo.trust_region import TRUST_REGIONS
 from test_integration_trl import dataset, integ, make_trainer  # noqa: F401 - fixtures
-from test_integration_trl import (NON_DEFAULT, REGIONS, grads, group_inputs, needs_trl, plain_scaled_logits, reward_fn,
+from test_integration_trl import (LAGS, NON_DEFAULT, REGIONS, grads, group_inputs, needs_trl, plain_scaled_logits, reward_fn,
                                   synthetic_batch)
 
 pytestmark = [needs_trl, pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -200,8 +200,9 @@ def test_filter_and_off_policy_mask_match_trl_in_every_region(make_trainer, regi
             _, stats = reference_loss(trainer.model, out, region, trainer.temperature, aggregation="token-mean",
                                       **trainer._region)
         else:
+            stale = {"staleness": torch.tensor(LAGS, dtype=torch.float32)} if TRUST_REGIONS[region].inputs else {}
             _, stats = policy_loss(logp, mu, adv, mask, trust_region=region, aggregation="token-mean",
-                                   **trainer._region)
+                                   **stale, **trainer._region)
         weight = (logp - mu).clamp(max=20).exp().clamp(max=trainer.args.is_cap)
         keep = (stats["keep"] & entropy_keep & sequence_keep & mask).float()
     ref = -(keep * weight * adv[:, None] * logp).sum() / out["num_items_in_batch"]

@@ -99,6 +99,11 @@ GenerationConfig / generate names, and vLLM's for beam search): name -> (is it s
 
 _TRUNCATION = {"top_k": _above(0), "top_p": _below(1.0), "min_p": _given}
 
+REGION_INPUTS = ("staleness",)
+"""The per-token inputs of a trust region (`TrustRegion.inputs`) DPPOTrainer provides: staleness = optimiser steps
+since the generation batch was sampled (0 for its first step; > 0 for the later steps of `steps_per_generation` >
+`gradient_accumulation_steps` or `num_iterations` > 1)."""
+
 
 def check_sampling(values: Mapping[str, Any] | None, where: str, top_k_logprobs: int = 0) -> None:
     """Refuse decoding that does not sample each token from the recorded µ (`NOT_SAMPLED`), and with top-K capture
@@ -121,8 +126,7 @@ class _DPPOSettings(GRPOConfig):
     """The DPPO fields of `DPPOConfig` (the trust regions' own parameters are added from the registry below)."""
 
     trust_region: str = field(default=_LOSS_DEFAULTS["trust_region"], metadata={"help": (
-        "A name in dppo.trust_region.TRUST_REGIONS (dppo_binary_tv, dppo_binary_kl, dppo_topk_tv, dppo_topk_kl, "
-        "ppo_clip, ppo_clip_relax, none, cppo, pg_is_neg_mask).")})
+        f"A name in dppo.trust_region.TRUST_REGIONS ({', '.join(TRUST_REGIONS)}).")})
     is_cap: float = field(default=_LOSS_DEFAULTS["is_cap"], metadata={"help": "C in min(π/µ, C); inf = uncapped."})
     anchor: str = field(default=_LOSS_DEFAULTS["anchor"], metadata={"help": (
         "Mask anchor: rollout µ (default, free) or recompute (TRL's π_old; the importance weight stays π/µ).")})
@@ -165,8 +169,8 @@ DPPOConfig = dataclasses.make_dataclass(
     "DPPOConfig", [_region_field(name) for name in _REGION_FIELDS], bases=(_DPPOSettings,),
     namespace={"__module__": __name__, "__doc__": (
         "`GRPOConfig` plus DPPO's trust region: trust_region, is_cap, anchor, top_k_logprobs and one field per "
-        "trust-region parameter (delta_low, delta_high, relax_alpha, relax_side, cppo_*, neg_delta; None = the "
-        "region's default), with the defaults and checks of dppo's own `loss` config. Errors are ValueErrors naming "
+        f"trust-region parameter ({', '.join(_REGION_FIELDS)}; None = the region's default), with the defaults and "
+        "checks of dppo's own `loss` config. Errors are ValueErrors naming "
         "the field, raised at construction. `loss_type` picks the aggregation (`LOSS_TYPE_AGGREGATION`).")})
 
 
@@ -178,9 +182,10 @@ def _check_dppo(cfg) -> None:
     if cfg.loss_type not in LOSS_TYPE_AGGREGATION:
         raise ValueError(f"loss_type: {cfg.loss_type!r} has no DPPO aggregation; valid: "
                          + ", ".join(f"{k} ({v})" for k, v in LOSS_TYPE_AGGREGATION.items()))
-    if cfg.trust_region in TRUST_REGIONS and getattr(TRUST_REGIONS[cfg.trust_region], "inputs", ()):
-        raise ValueError(f"trust_region: {cfg.trust_region!r} needs per-token inputs DPPOTrainer does not provide ("
-                         f"{', '.join(TRUST_REGIONS[cfg.trust_region].inputs)}); use it with `dppo train`")
+    missing = sorted(set(getattr(TRUST_REGIONS.get(cfg.trust_region), "inputs", ())) - set(REGION_INPUTS))
+    if missing:
+        raise ValueError(f"trust_region: {cfg.trust_region!r} needs per-token inputs DPPOTrainer does not provide "
+                         f"({', '.join(missing)}); use it with `dppo train`")
     region = {name: getattr(cfg, name) for name in _REGION_FIELDS}
     try:  # the checks of dppo's own `loss` config section, so that both accept and refuse the same values
         LossConfig(trust_region=cfg.trust_region, anchor=cfg.anchor, is_cap=cfg.is_cap, aggregation=cfg.aggregation,

@@ -69,6 +69,7 @@ class DPPOTrainer(GRPOTrainer):
                          optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config, tools=tools,
                          rollout_func=rollout_func, environment_factory=environment_factory)
         self._region = args.region_settings()
+        self._inputs = TRUST_REGIONS[args.trust_region].inputs
         self._topk = needs_topk(args.trust_region)
         self._k = args.resolved_top_k_logprobs
         self._turn_cells = TurnCells(self._k)
@@ -170,6 +171,9 @@ class DPPOTrainer(GRPOTrainer):
                              "and 'logprob_token_ids' (see dppo_rollout_func)")
         if self._topk and self.args.anchor == "recompute" and "old_per_token_logps" in output:
             output["old_topk_logp"] = self._old_topk_cells(output)
+        if "staleness" in self._inputs:  # the optimiser step the batch was sampled at (TRL splits it with the rows)
+            output["generation_step"] = torch.full((completion_ids.shape[0],), self.state.global_step,
+                                                   device=completion_ids.device)
         return output
 
     def _split_cells(self, mu: Tensor, topk_ids: list | None, completion_ids: Tensor,
@@ -225,13 +229,16 @@ class DPPOTrainer(GRPOTrainer):
             divergence = _TOPK_DIVERGENCE[TRUST_REGIONS[self.args.trust_region].divergence](
                 cells, anchor_cells, inputs["rollout_topk_valid"])
         aggregation, denominator, scale = self._aggregation(inputs, mode)
+        region_inputs = {}
+        if "staleness" in self._inputs:  # optimiser steps since the batch was sampled, per sequence
+            region_inputs["staleness"] = (self.state.global_step - inputs["generation_step"]).float()
         norm = self.max_completion_length if aggregation == "seq-mean-token-sum-norm" else None
         recompute = self.args.anchor == "recompute"
         loss, stats = policy_loss(
             logp, rollout_logp, select_advantages(adv, selected), mask, trust_region=self.args.trust_region,
             is_cap=self.args.is_cap, aggregation=aggregation, divergence=divergence,
             old_logp=old_logp if recompute else None, anchor=self.args.anchor, max_response_len=norm,
-            denominator=denominator, **self._region)
+            denominator=denominator, **region_inputs, **self._region)
         kl = None
         if self.beta != 0.0:  # TRL's k3 estimate of KL(π‖ref), aggregated like the policy term
             ref = inputs["ref_per_token_logps"]
