@@ -4,10 +4,11 @@ study (responses of >= 16 tokens)."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
-from dppo.train.config import Config, LossConfig
+from dppo.train.config import Config, ConfigError, LossConfig
 from dppo.train.presets import PRESETS
 from dppo.studies.sanity import (METHOD_GROUPS, SANITY_METHODS, LogitNoise, SanityConfig, cmd_sanity, expand_methods,
                                  format_table, is_collapsed, method_loss, run_sanity, sanity_config, steps_to_accuracy,
@@ -375,3 +376,25 @@ def test_trough_recovery_and_masked_by_staleness():
     assert s["seq_removed_pos"] is None  # not logged by this run
     m = summarize_method([s, {**s, "masked_by_staleness": {"4": 0.09}}])
     assert m["masked_by_staleness"]["4"] == pytest.approx((0.045 + 0.09) / 2) and m["masked_by_staleness"]["0"] == 0.01
+
+
+def test_feedback_study_trains_multi_turn_episodes_under_a_stale_engine(tmp_path):
+    from dppo.train.plot import read_metrics
+
+    kw = dict(methods=("dppo-binary-tv:sequence_mask=max_divergence:sequence_unit=turn",), seeds=(0,), steps=3,
+              prompts_per_step=4, group_size=4, mini_batches=2, hidden=64, sft_steps=20, eval_size=4, env="feedback",
+              engine_lag=1)
+    report = run_sanity(SanityConfig(out_dir=str(tmp_path), **kw), verbose=False)
+    settings = report["settings"]
+    assert settings["env"] == "feedback" and settings["max_turns"] == 3
+    warm = json.loads((Path(settings["warm_start"]) / "warm_start.json").read_text())
+    assert warm["env"] == "feedback"  # the agent SFT warm start, cached apart from the single-turn one
+    rows = read_metrics(tmp_path / "dppo-binary-tv_sequence_maskmax_divergence_sequence_unitturn-seed0")
+    assert len(rows) == 3
+    assert all(r["episode/turns_mean"] >= 1.0 and r["episode/env_token_frac"] > 0 for r in rows)
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all("trust_region/seq_removed_frac_pos" in r for r in rows)
+    with pytest.raises(ConfigError, match="^env: "):
+        SanityConfig(env="calculator")
+    with pytest.raises(ConfigError, match="^max_turns: expected >= 1"):
+        SanityConfig(env="feedback", max_turns=0)

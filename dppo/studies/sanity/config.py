@@ -4,7 +4,7 @@
                 [--task addition|reverse] [--min-len 16] [--max-len 20]
                 [--lr 3e-4 (addition) | 1e-4 (reverse)] [--prompts-per-step 32] [--group-size 8] [--mini-batches 4]
                 [--engine-dtype bfloat16|float32] [--logit-noise SIGMA] [--mismatch none|bf16|fp8|lag:K|noise:SIGMA]
-                [--sft-steps N] [--out-dir runs/sanity-<timestamp>] [--quick]
+                [--sft-steps N] [--env none|feedback] [--max-turns 3] [--out-dir runs/sanity-<timestamp>] [--quick]
 
 Each field's docstring is its `--help` text; `--methods` and `--seeds` take comma-separated lists. `__post_init__`
 checks every field, so an invalid value fails before the warm start, naming the field
@@ -128,6 +128,12 @@ class SanityConfig:
     """Supervised warm-start steps (default per task: addition 60 of batch 64, reverse 215 of batch 32)."""
     warm_seed: int = 0
     """Seed of the warm start, the one model every run starts from."""
+    env: Literal["none", "feedback"] = "none"
+    """Multi-turn episodes: none (one response per prompt), or feedback (a wrong answer is told to try again, up to
+    --max-turns turns, reward 0.5^attempt; the warm start learns the episode layout from the environment's
+    demonstrations, `dppo.studies.agent_sft`). Accuracy is then the share of episodes right at the first attempt."""
+    max_turns: int = 3
+    """--env feedback: turns per episode (each at most --max-new-tokens tokens)."""
     engine_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Rollout engine dtype (the trainer is fp32; float32 with --logit-noise 0 = no mismatch)."""
     logit_noise: float = 0.0
@@ -149,7 +155,7 @@ class SanityConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "mini_batches", "digits", "size", "hidden", "layers",
-                     "max_new_tokens", "sft_steps"):
+                     "max_new_tokens", "sft_steps", "max_turns"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 _fail(name, f"expected >= 1, got {value}")
@@ -167,6 +173,8 @@ class SanityConfig:
         except ValueError as exc:
             _fail("methods", str(exc).removeprefix("method: "))
         task_options(self.task)  # checks the name
+        if self.env not in ("none", "feedback"):
+            _fail("env", f"expected 'none' or 'feedback', got {self.env!r}")
         if self.engine_dtype not in ("bfloat16", "float32"):
             _fail("engine_dtype", f"expected 'bfloat16' or 'float32', got {self.engine_dtype!r}")
         if self.quantization not in ("none", "fp8"):

@@ -41,6 +41,9 @@ from dppo.train.trainer import Trainer
 
 MICRO_BATCH_SIZE = 64
 """Sequences per forward/backward pass of the trainer (a memory knob; the loss does not depend on it)."""
+EPISODE_TOKENS_PER_TURN = 56
+"""--env: an episode's token budget per turn (its answer, the environment's retry message of ~40 characters and the
+chat template's markers, in characters: 3 turns fit in 168 tokens)."""
 TASK_SEED = 0
 """The task's seed: the same training and held-out split for every run and the warm start."""
 
@@ -54,11 +57,14 @@ def _task_and_options(task: str, options: dict[str, Any] | None, digits: int) ->
 
 def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers: int = 2, sft_steps: int | None = None,
                digits: int = 1, size: int = 80, eval_size: int = 20, batch_size: int | None = None, lr: float = 3e-3,
-               task_seed: int = TASK_SEED, task: str = "addition", options: dict[str, Any] | None = None) -> Path:
+               task_seed: int = TASK_SEED, task: str = "addition", options: dict[str, Any] | None = None,
+               env: str = "none") -> Path:
     """A supervised warm start of a tiny char-level Qwen2 (head size 32) on `task` ("addition" with `digits`, or
     "reverse"; `options` replaces the task's options, default `task_options(task, digits=digits)`), saved to
     `out_dir/warm-<hash of the arguments, task and options included>/` and reused when that folder already holds a
-    model. `sft_steps` / `batch_size` default to the task's `TASK_DEFAULTS`."""
+    model. `sft_steps` / `batch_size` default to the task's `TASK_DEFAULTS`. With `env` (a `dppo.envs` name, e.g.
+    "feedback") the SFT is `dppo.studies.agent_sft` on that environment's demonstrations: the chat layout of its
+    episodes, as RL sees them."""
     from dppo.runtime.models import char_tokenizer, save_model, tiny_random_model
     from dppo.studies.sft import sft_warm_start
     from dppo.tasks import make_task
@@ -69,6 +75,8 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers:
     batch_size = defaults["sft_batch_size"] if batch_size is None else batch_size
     args = dict(task=task, options=options, seed=seed, hidden=hidden, layers=layers, sft_steps=sft_steps, size=size,
                 eval_size=eval_size, batch_size=batch_size, lr=lr, task_seed=task_seed)
+    if env != "none":
+        args["env"] = env  # (absent otherwise: the folders of earlier studies keep their names)
     key = hashlib.sha1(json.dumps(args, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(out_dir) / f"warm-{key}"
     if (folder / "config.json").is_file() and (folder / "warm_start.json").is_file():
@@ -83,7 +91,13 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers:
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        losses = sft_warm_start(model, tok, list(task_.train), steps=sft_steps, batch_size=batch_size, lr=lr, seed=seed)
+        if env == "none":
+            losses = sft_warm_start(model, tok, list(task_.train), steps=sft_steps, batch_size=batch_size, lr=lr, seed=seed)
+        else:
+            from dppo.envs import make_environment
+            from dppo.studies.agent_sft import agent_sft
+            losses = agent_sft(model, tok, make_environment(env), list(task_.train), steps=sft_steps,
+                               batch_size=batch_size, lr=lr, seed=seed)
     save_model(model, tok, folder)
     (folder / "warm_start.json").write_text(json.dumps(
         {**args, "final_loss": losses[-1], "seconds": time.perf_counter() - t0}, indent=1))
@@ -105,6 +119,8 @@ def sanity_config(study: SanityConfig, model_dir: str | Path, run_dir: str | Pat
         task={"name": s.task, "options": json.dumps(s.options), "size": s.size, "eval_size": s.eval_size,
               "seed": TASK_SEED},
         loss=method_loss(method),
+        **({"env": {"name": s.env, "max_turns": s.max_turns, "max_tokens": EPISODE_TOKENS_PER_TURN * s.max_turns}}
+           if s.env != "none" else {}),
         optim={"lr": s.lr},
         train={"steps": s.steps, "mini_batches": s.mini_batches, "micro_batch_size": MICRO_BATCH_SIZE, "seed": seed,
                "eval_before": False, "eval_every": 0, "threads": s.threads},
@@ -179,7 +195,7 @@ def run_sanity(study: SanityConfig, *, verbose: bool = True) -> dict[str, Any]:
     t_all = time.perf_counter()
     model_dir = warm_start(out_dir, seed=study.warm_seed, hidden=study.hidden, layers=study.layers,
                            sft_steps=study.sft_steps, size=study.size, eval_size=study.eval_size, task=study.task,
-                           options=study.options)
+                           options=study.options, env=study.env)
     if verbose:
         warm_info = json.loads((model_dir / "warm_start.json").read_text())
         print(f"[sanity] warm start {model_dir} ({time.perf_counter() - t_all:.1f} s; SFT loss "
