@@ -122,6 +122,10 @@ def test_trust_region_overrides_and_unknown_name():
         mismatch_report(pi.log(), mu.log(), mask, trust_regions={"nope": {}})
     with pytest.raises(ValueError, match="Top-K"):
         mismatch_report(pi.log(), mu.log(), mask, trust_regions={"dppo_topk_tv": {}})
+    with pytest.raises(ValueError, match="'dppo_stale_tv' reads staleness"):
+        mismatch_report(pi.log(), mu.log(), mask, trust_regions={"dppo_stale_tv": {}})
+    sat = mismatch_report(pi.log(), mu.log(), mask, trust_regions={"dppo_sat_tv": {"sat_shrink": 0.5}})
+    assert sat["overall"]["masked_frac"] == {"dppo_sat_tv": {"pos": 0.0, "neg": 0.0}}  # one token: no tail
 
 
 @pytest.fixture(scope="module")

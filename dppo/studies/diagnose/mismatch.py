@@ -125,6 +125,9 @@ def token_metrics(
         if name not in TRUST_REGIONS:
             raise ValueError(f"trust_regions: unknown {name!r}; valid names: {', '.join(sorted(TRUST_REGIONS))}")
         region = TRUST_REGIONS[name]
+        if region.inputs:  # e.g. the staleness regions: one engine's batch has no version lag to give them
+            raise ValueError(f"trust_regions: {name!r} reads {', '.join(region.inputs)}, which a diagnosis of one "
+                             "engine's batch does not have (its tokens are fresh: use the region it reduces to)")
         params = {**region.defaults, **overrides}
         missing = [k for k, v in params.items() if v is None]
         if missing:
