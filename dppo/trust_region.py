@@ -247,7 +247,7 @@ def _dppo(delta: float) -> dict[str, Param]:
 _CLIP = {"eps_low": _gt0(_EPS_DOC.format("<", 0.2), 0.2), "eps_high": _gt0(_EPS_DOC.format(">", "0.28, clip-higher"), 0.28)}
 
 
-_STALE_ALPHA = Param(0.25, "dppo_stale_*: α of δ(τ) = δ / (1 + α τ), τ = the token's version lag in steps.",
+_STALE_ALPHA = Param(0.5, "dppo_stale_*: α of δ(τ) = δ / (1 + α τ), τ = the token's version lag in steps.",
                      lambda x: _number(x) and x >= 0, ">= 0")
 _SAT = {
     "sat_quantile": Param(0.9, "dppo_sat_*: the tail is the tokens above this quantile of |log π − log µ| in the batch.",

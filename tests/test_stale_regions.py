@@ -295,4 +295,4 @@ def test_the_two_attributed_shares_add_up_to_the_masked_share(seed, spread):
 
 def test_registry_entries():
     assert TRUST_REGIONS["dppo_stale_tv"].inputs == ("staleness",) and TRUST_REGIONS["dppo_sat_tv"].inputs == ()
-    assert TRUST_REGIONS["dppo_stale_kl"].defaults == {"delta_low": 0.05, "delta_high": 0.05, "stale_alpha": 0.25}
+    assert TRUST_REGIONS["dppo_stale_kl"].defaults == {"delta_low": 0.05, "delta_high": 0.05, "stale_alpha": 0.5}

@@ -271,7 +271,7 @@ class _LossSettings:
     (largest token divergence of the trust region's estimate), mean_k3 (mean k3 estimate of KL(µ‖π)), mean_k1 (mean
     log µ/π, DeepSeek-V3.2's off-policy mask with sequence_sides negative); composes with any trust region."""
     sequence_delta: float | None = None
-    """Threshold of the sequence mask (None = its default: max_divergence 0.5, mean_k3 0.05, mean_k1 0.05)."""
+    """Threshold of the sequence mask (None = its default: max_divergence 0.2, mean_k3 0.1, mean_k1 0.05)."""
     sequence_unit: Literal["response", "turn"] = "response"
     """What the sequence mask drops: a whole response, or (multi-turn episodes) one turn of it."""
     sequence_sides: Literal["both", "negative"] = "both"
