@@ -48,6 +48,9 @@ IGNORED_KEYS = ("seeds", "warm_start", "methods", "out_dir", "threads", "quick",
 in its own out-dir (the warm start is cached there), `threads` sets only the speed, `quick` and `mismatch` are
 recorded resolved into the fields they set, and the task's options are compared as `task_options` (files written
 before `SanityConfig` record `digits` only, and neither `methods`, `out_dir`, `threads`, `quick` nor `mismatch`)."""
+ADDED_KEYS = {"env": "none", "max_turns": 3}
+"""Settings added after the first studies were written, with the value a file without them stands for (single-turn
+studies: no environment; max_turns only matters with one)."""
 TARGET_FINAL = 0.95
 """The issue's accuracy bar for a stable method (training accuracy, last 5 steps)."""
 
@@ -66,7 +69,9 @@ def load_study(dirs: Sequence[str | Path]) -> dict[str, Any]:
         if not path.is_file():
             raise ValueError(f"{path}: no such file (run `dppo sanity --out-dir {d}` first)")
         report = json.loads(path.read_text())
-        these = {k: v for k, v in report["settings"].items() if k not in IGNORED_KEYS}
+        these = {**ADDED_KEYS, **{k: v for k, v in report["settings"].items() if k not in IGNORED_KEYS}}
+        if these["env"] == "none":
+            these.pop("max_turns")
         if settings is None:
             settings, first = these, path
         else:
