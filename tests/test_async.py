@@ -273,7 +273,10 @@ def test_ray_workers_on_two_nodes(tmp_path):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     cluster.add_node(num_cpus=1)
     try:
-        cfg = _cfg(tmp_path, backend="ray", ray_address=cluster.address, devices="cpu,cpu", steps=3)
+        # Ray starts its workers' processes slowly on a busy 2-core machine (not started after 60 s with two study
+        # processes beside it): 180 s to start, still far below the default 600 s
+        cfg = _cfg(tmp_path, backend="ray", ray_address=cluster.address, devices="cpu,cpu", steps=3,
+                   worker_timeout_s=180.0)
         trainer = _Recording(cfg, tmp_path)
         try:
             nodes = {info["node"] for info in trainer.source.pool.info}
