@@ -156,8 +156,8 @@ def policy_loss(
         anchor: "rollout" (mask against µ, the default) or "recompute" (mask against π_old; the importance
             weight stays π/µ).
         max_response_len, denominator: see `aggregate`.
-        staleness: [B, T] (or [B], or one value) each token's version lag τ_t in training steps; required by the regions whose
-            `TRUST_REGIONS[name].inputs` name it (dppo_stale_*), ignored by the others.
+        staleness: [B, T] (or [B], or one value) each token's version lag τ_t in training steps; required by the
+            regions whose `TRUST_REGIONS[name].inputs` name it (dppo_stale_*), ignored by the others.
         sequence_mask: a name in `dppo.sequence_mask.SEQUENCE_MASKS` ("none", "max_divergence", "mean_k3",
             "mean_k1"): also drop every token of a unit (a response; a turn with sequence_unit="turn" and
             `turn_index`) whose statistic against the mask's anchor exceeds sequence_delta (default
@@ -223,13 +223,14 @@ def policy_loss(
         ratio = log_ratio.exp()
         weight = ratio.clamp(max=is_cap) if math.isfinite(is_cap) else ratio
         adv_c = adv.detach().to(dtype)
-        keep = TRUST_REGIONS[trust_region].fn(logp_d, anchor_logp.to(dtype), adv_c, mask, divergence, **inputs, **params)
+        anchor_d = anchor_logp.to(dtype)
+        keep = TRUST_REGIONS[trust_region].fn(logp_d, anchor_d, adv_c, mask, divergence, **inputs, **params)
         seq_stats = {}
         if sequence_mask != "none":
             units = turn_index if sequence_unit == "turn" else None
-            seq_keep, _ = sequence_keep(logp_d, anchor_logp.to(dtype), adv_c, mask, statistic=sequence_mask,
+            seq_keep, _ = sequence_keep(logp_d, anchor_d, adv_c, mask, statistic=sequence_mask,
                                         delta=sequence_delta, sides=sequence_sides, turn_index=units, n_turns=n_turns,
-                                        divergence=_token_divergence(trust_region, logp_d, anchor_logp.to(dtype), divergence))
+                                        divergence=_token_divergence(trust_region, logp_d, anchor_d, divergence))
             seq_stats = {f"seq_{k}": v for k, v in unit_shares(seq_keep, adv_c, mask, units, n_turns).items()}
             keep = keep & seq_keep
         coef = keep.to(dtype) * weight * adv_c
@@ -340,6 +341,6 @@ LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
     "drpo": _drpo,
 }
 """Every loss has one signature: fn(logp, rollout_logp, adv, response_mask, *, aggregation, max_response_len,
-denominator, divergence, old_logp, staleness, turn_index, n_turns, **settings) -> (loss, metrics), settings being the `loss` config section's
-fields by name (each loss takes those it uses). `masked_is` is Eq. 23 with a trust-region mask (every method
+denominator, divergence, old_logp, staleness, turn_index, n_turns, **settings) -> (loss, metrics), settings being
+the `loss` config section's fields by name (each loss takes those it uses). `masked_is` is Eq. 23 with a trust-region mask (every method
 but DRPO), `drpo` the quadratic penalty."""
