@@ -60,6 +60,23 @@ def test_merge_rows_and_control(tmp_path):
     assert table[3].startswith("| dppo-binary-tv | - | - | - | 0.950 (0.94–0.96) | 0/2 |")
 
 
+def test_masked_share_by_advantage_sign_hand_computed(tmp_path):
+    # seed 0 masks 10% then 30% of its A>0 tokens (mean 20%), seed 1 40% twice; A<0: 5% and 15%, 25% twice
+    rows = [[{"step": i + 1, "reward/accuracy": 0.5, "mismatch/binary_tv_mean": 0.1, "trust_region/masked_frac": 0.1,
+              "trust_region/masked_frac_pos": pos, "trust_region/masked_frac_neg": neg}
+             for i, (pos, neg) in enumerate(pairs)] for pairs in ([(0.1, 0.05), (0.3, 0.15)], [(0.4, 0.25)] * 2)]
+    per_seed = [{**summarize_run(r), "seed": k, "seconds": 1.0, "eval_pass@1": None} for k, r in enumerate(rows)]
+    assert [p["masked_pos"] for p in per_seed] == pytest.approx([0.2, 0.4])
+    m = {"loss": {}, "summary": summarize_method(per_seed), "per_seed": per_seed, "curves": {}}
+    row = method_row(m)
+    assert (row["masked_pos"], row["masked_neg"]) == pytest.approx((0.3, 0.175))
+    table = report_table(load_study([_write(tmp_path / "a", {"dppo-binary-tv": m, "old": _method([0.5], [0.1] * 8)})]))
+    head, _, sign_row, old_row = table.splitlines()
+    col = head.split(" | ").index("masked Â>0 / Â<0")
+    assert sign_row.split(" | ")[col] == "30.0% / 17.5%"
+    assert old_row.split(" | ")[col] == "- / -"  # runs that did not log it (written before it)
+
+
 def test_more_seeds_from_another_folder_are_pooled(tmp_path):
     a = _write(tmp_path / "a", {"pg-is": _method([0.2, 0.4], [0.1] * 8)})
     b = _write(tmp_path / "b", {"pg-is": _method([0.6], [0.4] * 7 + [1.0], first_seed=2)}, seeds=[2])

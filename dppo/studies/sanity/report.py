@@ -14,7 +14,9 @@ study (and those of the `--control` DIRs into another), and prints one markdown 
 - **mismatch by part**: the seed-mean of `mismatch/binary_tv_mean` (mean |π − µ| at the start of a step) averaged
   over each of `--parts` equal spans of the run, first → last: a mismatch that grows with the policy shows as a
   rising sequence (Fig. 3 of the paper), a trust region that holds it shows as a flat or falling one;
-- max mismatch (largest step value over seeds) and the mean masked fraction;
+- max mismatch (largest step value over seeds) and the mean masked fraction; **masked Â>0 / Â<0**: the masked share
+  of the tokens with a positive / negative advantage (`trust_region/masked_frac_pos`/`_neg`: the learning signal a
+  trust region removes; zero-advantage tokens carry none; "-" for files written before it);
 - **drop → recovery**: the seed-mean trough (lowest 5-step running mean of the accuracy in the first 100 steps, the
   drop a stale engine causes) and the seed-mean share of the way from it back to 95% the final accuracy went
   (`dppo.studies.sanity.summary.trough_and_recovery`; "-" for files written before it);
@@ -154,7 +156,7 @@ def method_row(m: dict[str, Any], parts: int = 4) -> dict[str, Any]:
         "trough": s.get("trough_accuracy"), "recovery": s.get("recovery"),
         "masked_by_staleness": s.get("masked_by_staleness") or {},
         **{k: s.get(k) for k in ("seq_removed_pos", "seq_removed_neg", "old_rollout_tv", "current_old_tv",
-                                 "masked_from_mismatch", "masked_from_update")},
+                                 "masked_from_mismatch", "masked_from_update", "masked_pos", "masked_neg")},
     }
 
 
@@ -178,7 +180,7 @@ def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, p
     if control is not None:
         head += ["control: final acc", f"≥ {TARGET_FINAL}", "collapsed"]
     head += ["final acc (min–max)", "collapsed", "per seed (✗ collapsed)", "peak", f"≥ {TARGET_FINAL}",
-             f"mismatch by {'quarter' if parts == 4 else 'part'}", "max", "masked", "drop → recovery",
+             f"mismatch by {'quarter' if parts == 4 else 'part'}", "max", "masked", "masked Â>0 / Â<0", "drop → recovery",
              "masked by staleness"]
     if split:
         head += ["seq removed Â>0 / Â<0", "|π_old−µ|", "|π−π_old|", "masked: mismatch / update"]
@@ -196,7 +198,7 @@ def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, p
         cells += [f"{_f(r['final'])} ({_f(r['min'], '.2f')}–{_f(r['max'], '.2f')})", f"{r['collapsed']}/{r['seeds']}",
                   seeds, _f(r["peak"]), f"{r['at_target']}/{r['seeds']}",
                   " → ".join(_f(x) for x in r["mismatch_parts"]) or "-", _f(r["max_mismatch"], ".2f"),
-                  _pct(r["masked"]),
+                  _pct(r["masked"]), f"{_pct(r['masked_pos'])} / {_pct(r['masked_neg'])}",
                   "-" if r["trough"] is None else f"{_f(r['trough'], '.2f')} → {_f(r['recovery'], '.2f')}",
                   _at_lag(r["masked_by_staleness"])]
         if split:

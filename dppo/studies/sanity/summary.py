@@ -43,6 +43,7 @@ OPTIONAL_MEANS = {
     "old_rollout_tv": "mismatch/old_rollout_tv_mean", "current_old_tv": "mismatch/current_old_tv_mean",
     "masked_from_mismatch": "trust_region/masked_frac_from_mismatch",
     "masked_from_update": "trust_region/masked_frac_from_update",
+    "masked_pos": "trust_region/masked_frac_pos", "masked_neg": "trust_region/masked_frac_neg",
 }
 """Summary key -> metric averaged over steps, for metrics only some methods log (None when a run has none)."""
 
