@@ -7,7 +7,8 @@ reads only `sanity.json`: per-seed summaries, settings and curves) on another ma
 A study stopped before its end (the session ran out) has no `sanity.json`: `--rebuild FLAGS` makes it from the run
 folders that finished (`<method>-seed<k>/metrics.jsonl` with every step), the settings from the `dppo sanity`
 flags the study was started with (the same summaries and curves `dppo sanity` writes; seeds not finished are left
-out):
+out; a finished study's own `sanity.json`, when there, gives the runs' seconds and the wall time — rebuilding it
+brings an old study's summaries up to the current `summarize_run`):
 
     .venv/bin/python scripts/compact_sanity.py runs/lag4-base-a OUT --rebuild "--methods pg-is,cispo --seeds 1,2
         --steps 1000 --lr 2e-4 --sft-steps 300 --mismatch lag:4"
@@ -48,6 +49,8 @@ def rebuild(src: Path, flags: str) -> dict:
 
     study = parse_args(shlex.split(flags) + ["--out-dir", str(src)]).resolve()
     warm = sorted(src.glob("warm-*"))
+    old = json.loads((src / "sanity.json").read_text()) if (src / "sanity.json").is_file() else {"methods": {}}
+    seconds = {(name, p.get("seed")): p.get("seconds") for name, m in old["methods"].items() for p in m["per_seed"]}
     methods = {}
     for method in study.methods:
         per_seed, runs = [], []
@@ -58,7 +61,7 @@ def rebuild(src: Path, flags: str) -> dict:
                 continue
             evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines() if line.strip()] \
                 if (run_dir / "eval.jsonl").is_file() else []
-            per_seed.append({**summarize_run(rows), "seed": seed, "seconds": None, "run_dir": str(run_dir),
+            per_seed.append({**summarize_run(rows), "seed": seed, "seconds": seconds.get((method, seed)), "run_dir": str(run_dir),
                              "eval_pass@1": evals[-1].get("pass@1") if evals else None})
             runs.append(rows)
         if per_seed:
@@ -66,7 +69,7 @@ def rebuild(src: Path, flags: str) -> dict:
                                "summary": summarize_method(per_seed), "per_seed": per_seed,
                                "curves": {key: curves(runs, key) for key, _ in CURVE_KEYS}}
     return {"settings": study_settings(study, warm[0] if warm else src), "criteria": dict(CRITERIA),
-            "methods": methods, "wall_s": 0.0, "rebuilt_from_run_folders": True}
+            "methods": methods, "wall_s": old.get("wall_s", 0.0), "rebuilt_from_run_folders": True}
 
 
 def main() -> None:
