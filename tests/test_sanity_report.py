@@ -77,6 +77,25 @@ def test_masked_share_by_advantage_sign_hand_computed(tmp_path):
     assert old_row.split(" | ")[col] == "- / -"  # runs that did not log it (written before it)
 
 
+def test_paired_difference_hand_computed(tmp_path):
+    from dppo.studies.sanity.report import paired_difference
+
+    # seeds 0-2 for the baseline, 1-3 for x: shared seeds 1, 2; differences 0.6 - 0.5 = 0.1 and 0.4 - 0.7 = -0.3
+    base = _method([0.2, 0.5, 0.7], [0.1] * 8)
+    x = _method([0.6, 0.4, 0.9], [0.1] * 8, first_seed=1)
+    study = load_study([_write(tmp_path / "a", {"base": base, "x": x, "one": _method([0.3], [0.1] * 8)})])
+    mean, se, n = paired_difference(study, "x", "base")
+    assert (mean, n) == (pytest.approx(-0.1), 2)
+    assert se == pytest.approx(((0.2 ** 2 + 0.2 ** 2) / 1) ** 0.5 / 2 ** 0.5)  # sd of (0.1, -0.3) is 0.2√2, / √2
+    assert paired_difference(study, "one", "base") == (pytest.approx(0.1), None, 1)  # seed 0: 0.3 - 0.2
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in report_table(study, baseline="base").splitlines()]
+    col = rows[0].index("Δ vs base (± SE, seeds)")
+    cells = {row[0]: row[col] for row in rows[2:]}
+    assert cells == {"base": "-", "x": "-0.100 ± 0.200 (2)", "one": "+0.100 (1)"}
+    with pytest.raises(ValueError, match="--baseline 'nope' is not a method"):
+        report_table(study, baseline="nope")
+
+
 def test_more_seeds_from_another_folder_are_pooled(tmp_path):
     a = _write(tmp_path / "a", {"pg-is": _method([0.2, 0.4], [0.1] * 8)})
     b = _write(tmp_path / "b", {"pg-is": _method([0.6], [0.4] * 7 + [1.0], first_seed=2)}, seeds=[2])

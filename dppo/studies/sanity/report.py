@@ -1,6 +1,7 @@
 """`dppo sanity report`: the stability study's tables from finished runs, a mismatch run beside its control.
 
-    dppo sanity report DIR [DIR ...] [--control DIR [DIR ...]] [--parts 4] [--plot PATH] [--json PATH]
+    dppo sanity report DIR [DIR ...] [--control DIR [DIR ...]] [--parts 4] [--baseline METHOD] [--split]
+        [--plot PATH] [--json PATH]
 
 A long study is often run as several `dppo sanity` processes (a few methods each, on separate cores), and its
 no-mismatch control as another. This reads their `sanity.json` files, merges the methods of the DIRs into one
@@ -22,7 +23,10 @@ study (and those of the `--control` DIRs into another), and prints one markdown 
   (`dppo.studies.sanity.summary.trough_and_recovery`; "-" for files written before it);
 - **masked by staleness**: the masked share at the version lag that trained most steps (the lag K of a stale engine;
   `masked_by_staleness`), and with `--split` the mismatch split's columns (mean |π_old − µ|, mean |π − π_old|, the
-  masked share attributed to each factor) and the sequence mask's removed shares.
+  masked share attributed to each factor) and the sequence mask's removed shares;
+- with `--baseline METHOD`, **Δ vs METHOD**: the mean over the seeds both ran of (this method's final accuracy −
+  METHOD's), ± its standard error (sample standard deviation / √n): seeds share the data order and the first
+  rollouts, so the paired difference is less noisy than the two means' (`paired_difference`).
 
 A method found in several DIRs with disjoint seeds (more seeds run later, or in parallel) is merged: its per-seed
 summaries are pooled and its curves combined. Merging refuses studies whose settings differ in anything but the
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -160,6 +165,35 @@ def method_row(m: dict[str, Any], parts: int = 4) -> dict[str, Any]:
     }
 
 
+def paired_difference(study: dict[str, Any], name: str, baseline: str) -> tuple[float, float | None, int] | None:
+    """(mean, standard error, n) over the seeds both `name` and `baseline` ran of the difference in final accuracy
+    (`name` − `baseline`); the error is None for one seed, the result None for no shared seed. ValueError naming the
+    baseline when the study does not hold it."""
+    if baseline not in study["methods"]:
+        raise ValueError(f"--baseline {baseline!r} is not a method of the study (it has: {', '.join(study['methods'])})")
+
+    def finals(m: str) -> dict[Any, float]:
+        return {p.get("seed"): p["final_accuracy"] for p in study["methods"][m]["per_seed"]
+                if p.get("final_accuracy") is not None}
+
+    a, b = finals(name), finals(baseline)
+    diffs = [a[k] - b[k] for k in a if k in b]
+    if not diffs:
+        return None
+    mean = sum(diffs) / len(diffs)
+    if len(diffs) < 2:
+        return mean, None, 1
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, math.sqrt(var / len(diffs)), len(diffs)
+
+
+def _paired(x: tuple[float, float | None, int] | None) -> str:
+    if x is None:
+        return "-"
+    mean, se, n = x
+    return f"{mean:+.3f}" + ("" if se is None else f" ± {se:.3f}") + f" ({n})"
+
+
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -173,15 +207,18 @@ def _at_lag(by_tau: dict[str, float]) -> str:
 
 
 def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, parts: int = 4,
-                 split: bool = False) -> str:
-    """The markdown table of `study` (merged by `load_study`), with the control's columns when given, and the
-    sequence-mask and mismatch-split columns with `split`."""
+                 split: bool = False, baseline: str | None = None) -> str:
+    """The markdown table of `study` (merged by `load_study`), with the control's columns when given, the
+    sequence-mask and mismatch-split columns with `split`, and the paired difference to `baseline` when given."""
     head = ["method"]
     if control is not None:
         head += ["control: final acc", f"≥ {TARGET_FINAL}", "collapsed"]
     head += ["final acc (min–max)", "collapsed", "per seed (✗ collapsed)", "peak", f"≥ {TARGET_FINAL}",
              f"mismatch by {'quarter' if parts == 4 else 'part'}", "max", "masked", "masked Â>0 / Â<0", "drop → recovery",
              "masked by staleness"]
+    if baseline is not None:
+        paired_difference(study, baseline, baseline)  # checks the name
+        head += [f"Δ vs {baseline} (± SE, seeds)"]
     if split:
         head += ["seq removed Â>0 / Â<0", "|π_old−µ|", "|π−π_old|", "masked: mismatch / update"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -201,6 +238,8 @@ def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, p
                   _pct(r["masked"]), f"{_pct(r['masked_pos'])} / {_pct(r['masked_neg'])}",
                   "-" if r["trough"] is None else f"{_f(r['trough'], '.2f')} → {_f(r['recovery'], '.2f')}",
                   _at_lag(r["masked_by_staleness"])]
+        if baseline is not None:
+            cells.append("-" if name == baseline else _paired(paired_difference(study, name, baseline)))
         if split:
             cells += [f"{_pct(r['seq_removed_pos'])} / {_pct(r['seq_removed_neg'])}", _f(r["old_rollout_tv"], ".4f"),
                       _f(r["current_old_tv"], ".4f"),
@@ -216,6 +255,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", type=int, default=4, help="spans the mismatch curve is averaged over")
     p.add_argument("--plot", default=None, help="write the merged study's curves (sanity.png layout) here")
     p.add_argument("--json", default=None, help="write the rows (and the merged settings) here as JSON")
+    p.add_argument("--baseline", default=None, metavar="METHOD",
+                   help="add each method's final accuracy minus METHOD's, paired by seed, ± its standard error")
     p.add_argument("--split", action="store_true",
                    help="add the sequence mask's removed shares and the mismatch split's columns")
     return p
@@ -228,7 +269,7 @@ def cmd_report(argv: list[str]) -> int:
         control = load_study(args.control) if args.control else None
         if control is not None:
             check_control(study, control)
-        table = report_table(study, control, args.parts, args.split)
+        table = report_table(study, control, args.parts, args.split, args.baseline)
     except ValueError as exc:
         print(f"dppo sanity report: error: {exc}")
         return 2
