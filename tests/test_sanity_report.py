@@ -183,6 +183,7 @@ def test_report_command_on_real_short_studies(tmp_path, capsys):
     assert out_png.stat().st_size > 1000
     out = capsys.readouterr().out
     assert "engine float32 lag 2" in out and "| pg-is |" in out and "| dppo-binary-tv |" in out
+    assert "addition, 4 steps, 8 x 4 per step" in out  # single-turn: no environment named
     # a study folder that is not one, and a control with other settings: exit 2 naming the problem
     assert cmd_sanity(["report", str(tmp_path / "nothing")]) == 2
     assert "no such file" in capsys.readouterr().out

@@ -274,7 +274,9 @@ def cmd_report(argv: list[str]) -> int:
         print(f"dppo sanity report: error: {exc}")
         return 2
     s = study["settings"]
-    print(f"{s['task']}, {s['steps']} steps, lr {s['lr']}, warm start {s['sft_steps']} SFT steps, engine "
+    env = "" if s.get("env", "none") == "none" else f" in the {s['env']} environment ({s.get('max_turns')} turns)"
+    print(f"{s['task']}{env}, {s['steps']} steps, {s.get('prompts_per_step', 32)} x {s.get('group_size', 8)} "
+          f"per step, lr {s['lr']}, warm start {s['sft_steps']} SFT steps, engine "
           f"{s['engine_dtype']} lag {s['engine_lag']} quantization {s['quantization']} noise {s['logit_noise']}; "
           f"wall {' + '.join(f'{w:.0f}' for w in study['wall_s'])} s")
     print(table)
