@@ -342,5 +342,5 @@ LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
 }
 """Every loss has one signature: fn(logp, rollout_logp, adv, response_mask, *, aggregation, max_response_len,
 denominator, divergence, old_logp, staleness, turn_index, n_turns, **settings) -> (loss, metrics), settings being
-the `loss` config section's fields by name (each loss takes those it uses). `masked_is` is Eq. 23 with a trust-region mask (every method
-but DRPO), `drpo` the quadratic penalty."""
+the `loss` config section's fields by name (each loss takes those it uses). `masked_is` is Eq. 23 with a trust-region
+mask (every method but DRPO), `drpo` the quadratic penalty."""

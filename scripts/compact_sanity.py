@@ -61,8 +61,8 @@ def rebuild(src: Path, flags: str) -> dict:
                 continue
             evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines() if line.strip()] \
                 if (run_dir / "eval.jsonl").is_file() else []
-            per_seed.append({**summarize_run(rows), "seed": seed, "seconds": seconds.get((method, seed)), "run_dir": str(run_dir),
-                             "eval_pass@1": evals[-1].get("pass@1") if evals else None})
+            per_seed.append({**summarize_run(rows), "seed": seed, "seconds": seconds.get((method, seed)),
+                             "run_dir": str(run_dir), "eval_pass@1": evals[-1].get("pass@1") if evals else None})
             runs.append(rows)
         if per_seed:
             methods[method] = {"loss": {k: ("inf" if v == float("inf") else v) for k, v in method_loss(method).items()},

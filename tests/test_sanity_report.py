@@ -88,7 +88,8 @@ def test_paired_difference_hand_computed(tmp_path):
     assert (mean, n) == (pytest.approx(-0.1), 2)
     assert se == pytest.approx(((0.2 ** 2 + 0.2 ** 2) / 1) ** 0.5 / 2 ** 0.5)  # sd of (0.1, -0.3) is 0.2√2, / √2
     assert paired_difference(study, "one", "base") == (pytest.approx(0.1), None, 1)  # seed 0: 0.3 - 0.2
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in report_table(study, baseline="base").splitlines()]
+    table = report_table(study, baseline="base")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
     col = rows[0].index("Δ vs base (± SE, seeds)")
     cells = {row[0]: row[col] for row in rows[2:]}
     assert cells == {"base": "-", "x": "-0.100 ± 0.200 (2)", "one": "+0.100 (1)"}

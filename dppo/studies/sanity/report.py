@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -167,10 +168,7 @@ def method_row(m: dict[str, Any], parts: int = 4) -> dict[str, Any]:
 
 def paired_difference(study: dict[str, Any], name: str, baseline: str) -> tuple[float, float | None, int] | None:
     """(mean, standard error, n) over the seeds both `name` and `baseline` ran of the difference in final accuracy
-    (`name` − `baseline`); the error is None for one seed, the result None for no shared seed. ValueError naming the
-    baseline when the study does not hold it."""
-    if baseline not in study["methods"]:
-        raise ValueError(f"--baseline {baseline!r} is not a method of the study (it has: {', '.join(study['methods'])})")
+    (`name` − `baseline`); the error is None for one seed, the result None for no shared seed."""
 
     def finals(m: str) -> dict[Any, float]:
         return {p.get("seed"): p["final_accuracy"] for p in study["methods"][m]["per_seed"]
@@ -180,11 +178,8 @@ def paired_difference(study: dict[str, Any], name: str, baseline: str) -> tuple[
     diffs = [a[k] - b[k] for k in a if k in b]
     if not diffs:
         return None
-    mean = sum(diffs) / len(diffs)
-    if len(diffs) < 2:
-        return mean, None, 1
-    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
-    return mean, math.sqrt(var / len(diffs)), len(diffs)
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    return statistics.fmean(diffs), se, len(diffs)
 
 
 def _paired(x: tuple[float, float | None, int] | None) -> str:
@@ -214,10 +209,12 @@ def report_table(study: dict[str, Any], control: dict[str, Any] | None = None, p
     if control is not None:
         head += ["control: final acc", f"≥ {TARGET_FINAL}", "collapsed"]
     head += ["final acc (min–max)", "collapsed", "per seed (✗ collapsed)", "peak", f"≥ {TARGET_FINAL}",
-             f"mismatch by {'quarter' if parts == 4 else 'part'}", "max", "masked", "masked Â>0 / Â<0", "drop → recovery",
-             "masked by staleness"]
+             f"mismatch by {'quarter' if parts == 4 else 'part'}", "max", "masked", "masked Â>0 / Â<0",
+             "drop → recovery", "masked by staleness"]
     if baseline is not None:
-        paired_difference(study, baseline, baseline)  # checks the name
+        if baseline not in study["methods"]:
+            raise ValueError(f"--baseline {baseline!r} is not a method of the study (it has: "
+                             f"{', '.join(study['methods'])})")
         head += [f"Δ vs {baseline} (± SE, seeds)"]
     if split:
         head += ["seq removed Â>0 / Â<0", "|π_old−µ|", "|π−π_old|", "masked: mismatch / update"]
