@@ -4,12 +4,12 @@
     .venv/bin/python scripts/golden.py check docs/data/golden       # after it: every value bitwise equal
 
 Each run is a small training job on the tiny in-process model (no download): its per-step metrics (all but the
-wall-clock `perf/*_s` and `perf/tokens_per_s`) and the sha256 of every tensor of its final weights. The runs:
+wall-clock ones: `*_s`, `*idle_frac`, `perf/tokens_per_s`) and the sha256 of every tensor of its final weights. The runs:
 - `smoke`: the smoke preset (single-turn, fp32 `hf` engine, DPPO-Binary-TV).
-- `smoke-bf16-topk`: the smoke preset with a bf16 `hf` engine (µ ≠ π) and DPPO-Top-K-TV: the mask really masks.
-- `smoke-recompute`: bf16 engine, the recompute anchor with the mismatch split, GRPO clip.
+- `smoke-bf16-topk`: the smoke preset with a bf16 `hf` engine (µ ≠ π) and DPPO-Top-K-TV with δ 0.02 and lr 1e-2: the mask really masks.
+- `smoke-recompute`: bf16 engine, the recompute anchor with the mismatch split, a PPO clip of 0.05, lr 1e-2.
 - `episodes`: the tiny model in 3-turn episodes of `tests/data/scripted_env.py:Scripted` (multi-turn, per-turn
-  metrics), bf16 engine.
+  metrics), bf16 engine, 2 epochs, δ 0.05, lr 1e-2.
 - `feedback`: the built-in `feedback` environment (retries), fp32 engine.
 - `lagged`: the smoke preset with `rollout.engine_lag 1`.
 - `async-0`: rollout workers with `rollout.max_staleness 0` (one worker thread).
@@ -50,8 +50,9 @@ def _weights_digest(state: dict) -> dict[str, str]:
 
 def _clean(metrics: dict) -> dict:
     drop = ("perf/tokens_per_s",)
+    wall_clock = lambda k: k.endswith("_s") or k.endswith("idle_frac") or k in drop  # noqa: E731 - timings
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in sorted(metrics.items())
-            if not (k.startswith("perf/") and k.endswith("_s")) and k not in drop and not k.startswith("rollout/worker")}
+            if not wall_clock(k)}
 
 
 def _trainer_run(tmp: Path, **sections) -> dict:
@@ -71,12 +72,15 @@ def _trainer_run(tmp: Path, **sections) -> dict:
 
 RUNS = {
     "smoke": {},
-    "smoke-bf16-topk": {"rollout": {"dtype": "bfloat16"}, "loss": {"trust_region": "dppo_topk_tv"}},
-    "smoke-recompute": {"rollout": {"dtype": "bfloat16"},
-                        "loss": {"trust_region": "ppo_clip", "anchor": "recompute", "split_mismatch": True}},
-    "episodes": {"rollout": {"dtype": "bfloat16", "max_new_tokens": 4},
+    "smoke-bf16-topk": {"rollout": {"dtype": "bfloat16"}, "optim": {"lr": 1e-2},
+                        "loss": {"trust_region": "dppo_topk_tv", "delta_low": 0.02, "delta_high": 0.02}},
+    "smoke-recompute": {"rollout": {"dtype": "bfloat16"}, "optim": {"lr": 1e-2},
+                        "loss": {"trust_region": "ppo_clip", "eps_low": 0.05, "eps_high": 0.05, "anchor": "recompute",
+                                 "split_mismatch": True}},
+    "episodes": {"rollout": {"dtype": "bfloat16", "max_new_tokens": 4}, "loss": {"delta_low": 0.05, "delta_high": 0.05},
+                 "optim": {"lr": 1e-2},
                  "env": {"name": SCRIPTED, "options": '{"turns": 3}', "max_turns": 3, "max_tokens": 120},
-                 "train": {"mini_batches": 1}},
+                 "train": {"mini_batches": 1, "epochs": 2}},
     "feedback": {"rollout": {"max_new_tokens": 4},
                  "env": {"name": "feedback", "max_turns": 3, "max_tokens": 60}},
     "lagged": {"rollout": {"engine_lag": 1}},
