@@ -92,7 +92,7 @@ def worker(args) -> None:
     comm_s = _time_collectives(trainer, n_micro=max(n_micro, 2), n_opt=2)
     sync_bytes = 0
     if trainer.dist.sharded:
-        from dppo.train.checkpoint import full_state
+        from dppo.run_files.checkpoint import full_state
         state = full_state(trainer.dist, trainer.model, trainable_only=False, rank0_only=False)
         unique = {t.data_ptr(): t for t in state.values()}  # a tied lm-head is the embedding's tensor, counted once
         sync_bytes = sum(t.numel() * t.element_size() for t in unique.values())

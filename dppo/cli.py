@@ -32,14 +32,27 @@ import datetime as _dt
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
-from dppo.train.checkpoint import CheckpointError
+import torch
+import tyro
+
+from dppo.envs import make_environment
+from dppo.run_files.checkpoint import CheckpointError, checkpoint_path, complete_checkpoints, load_checkpoint, load_latest
+from dppo.run_files.export import export_model
+from dppo.run_files.run_dir import RunDirError, guard, write_atomic
+from dppo.studies.agent_sft import agent_sft, save_model
+from dppo.studies.diagnose.cli import cmd_diagnose as diagnose
+from dppo.studies.sanity import cmd_sanity as sanity
+from dppo.train.build import build_model, build_task, check_environment
 from dppo.train.config import Config, ConfigError, replace
-from dppo.train.distributed import DistributedError
-from dppo.train.run_dir import RunDirError, guard, write_atomic
+from dppo.train.distributed import DistributedError, world_from_env
+from dppo.train.evaluation import evaluate_checkpoint, load_checkpoint_weights
+from dppo.train.plot import plot_runs
 from dppo.train.presets import PRESETS, get_preset
+from dppo.train.trainer import Trainer
 
 _TOP = """Top-level options (before or among the field flags):
   --preset NAME     start from a preset (`dppo presets` lists them; default: demo)
@@ -93,8 +106,6 @@ def _base_config(ns: argparse.Namespace) -> tuple[Config, str]:
 
 def parse_config(argv: list[str], *, prog: str, resume: bool = True) -> tuple[Config, argparse.Namespace, str]:
     """Resolve the config for `train`/`eval` from argv (raises ConfigError naming the field)."""
-    import tyro
-
     ns, rest = _split_args(argv, resume=resume)
     base, label = _base_config(ns)
     if "-h" in rest or "--help" in rest:
@@ -116,7 +127,6 @@ def cmd_train(argv: list[str]) -> int:
     with _inputs():
         cfg, ns, label = parse_config(argv, prog="dppo train")
     resume = bool(getattr(ns, "resume", None))
-    from dppo.train.distributed import world_from_env
 
     _, world, _ = world_from_env()
     if world > 1 and not cfg.log.run_dir:  # a timestamped default could differ between ranks
@@ -125,8 +135,6 @@ def cmd_train(argv: list[str]) -> int:
     cfg = replace(cfg, log={"run_dir": str(run_dir)})
     if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         raise ConfigError(f"--run-dir: {run_dir} already holds a run; use --resume {run_dir} or another directory")
-    from dppo.train.trainer import Trainer
-    from dppo.train.plot import plot_runs
 
     with _inputs():
         trainer = Trainer(cfg, run_dir, resume=resume)
@@ -163,9 +171,7 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def _export_final(run_dir: Path, checkpoint: Path, step: int) -> Path:
-    """The final checkpoint's hf/ folder (a Hugging Face model folder, `dppo.train.export`)."""
-    from dppo.train.export import export_checkpoint
-
+    """The final checkpoint's hf/ folder (a Hugging Face model folder, `dppo.run_files.export`)."""
     out = checkpoint / "hf"
     return export_checkpoint(run_dir, out, step=step, advice=f"the run itself finished ({checkpoint} is complete); "
                              f"free space, then write its model with: dppo export {run_dir} --step {step} {out}")
@@ -179,7 +185,6 @@ def cmd_eval(argv: list[str]) -> int:
         cfg, _, _ = parse_config(["--config", str(Path(ns0.run_dir) / "config.yaml"), *_drop_run_dir(argv)], prog="dppo eval", resume=False)
     else:
         cfg, _, _ = parse_config(argv, prog="dppo eval", resume=False)
-    from dppo.train.evaluation import evaluate_checkpoint
 
     result = evaluate_checkpoint(cfg, Path(ns0.run_dir) if from_run else None)
     print(json.dumps(result))
@@ -211,10 +216,39 @@ def cmd_export(argv: list[str]) -> int:
     p.add_argument("--merged", action="store_true", help="LoRA: the base model with the adapter merged in "
                    "(default: the PEFT adapter folder)")
     args = p.parse_args(argv)
-    from dppo.train.export import export_checkpoint
 
     print(export_checkpoint(args.run_dir, args.out, step=args.step, merged=args.merged))
     return 0
+
+
+def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None = None, merged: bool = False,
+                      advice: str | None = None) -> Path:
+    """Write checkpoint `step` (default: the newest that loads) of the run in `run_dir` as a Hugging Face folder
+    `out` (which must not exist): the model rebuilt from the run's config.yaml as the trainer built it, the
+    checkpoint's weights loaded, written by `dppo.run_files.export.export_model`. ValueError naming the flag at
+    fault for a missing run, step or checkpoint; RunDirError ending with `advice` (default: run the export again)
+    when the disk cannot take it."""
+    run_dir, out = Path(run_dir), Path(out)
+    if not (run_dir / "config.yaml").is_file():
+        raise ValueError(f"RUN_DIR: {run_dir} is not a run directory (no config.yaml)")
+    if out.exists():
+        raise ValueError(f"OUT: {out} already exists; give a new folder")
+    if step is not None:
+        path = checkpoint_path(run_dir, step)
+        if path not in complete_checkpoints(run_dir):
+            have = ", ".join(str(int(p.name.split("_")[1])) for p in complete_checkpoints(run_dir)) or "none"
+            raise ValueError(f"--step: no complete checkpoint {path.name} under {run_dir / 'checkpoints'} "
+                             f"(complete steps: {have})")
+        ckpt = load_checkpoint(path)
+    else:
+        found = load_latest(run_dir)
+        if found is None:
+            raise ValueError(f"RUN_DIR: no complete checkpoint under {run_dir / 'checkpoints'}")
+        path, ckpt = found
+    cfg = replace(Config.load(run_dir / "config.yaml"), model={"device": "cpu", "gradient_checkpointing": False})
+    model, tokenizer, base = build_model(cfg, run_dir)
+    load_checkpoint_weights(model, ckpt["weights"], path, flag="RUN_DIR")
+    return export_model(model, tokenizer, out, merged=merged, base=base, run_dir=run_dir, advice=advice)
 
 
 def cmd_plot(argv: list[str]) -> int:
@@ -222,7 +256,6 @@ def cmd_plot(argv: list[str]) -> int:
     p.add_argument("run_dirs", nargs="+", help="run directories (each with metrics.jsonl)")
     p.add_argument("--out", default=None, help="output PNG (default: <first run>/curves.png, or compare.png for several)")
     args = p.parse_args(argv)
-    from dppo.train.plot import plot_runs
 
     out = args.out or (Path(args.run_dirs[0]) / ("curves.png" if len(args.run_dirs) == 1 else "compare.png"))
     print(plot_runs(args.run_dirs, out))
@@ -273,13 +306,6 @@ def cmd_sft(argv: list[str]) -> int:
     out = Path(args.out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not args.overwrite:
         raise ConfigError(f"--out: {out} already exists (give another folder, or --overwrite to replace it)")
-    import time
-
-    import torch
-
-    from dppo.envs import make_environment
-    from dppo.studies.agent_sft import agent_sft, save_model
-    from dppo.train.build import build_model, build_task, check_environment
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -310,15 +336,11 @@ def cmd_sft(argv: list[str]) -> int:
 
 
 def cmd_diagnose(argv: list[str]) -> int:
-    from dppo.studies.diagnose.cli import cmd_diagnose as run
-
-    return run(argv)
+    return diagnose(argv)
 
 
 def cmd_sanity(argv: list[str]) -> int:
-    from dppo.studies.sanity import cmd_sanity as run
-
-    return run(argv)
+    return sanity(argv)
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot, "presets": cmd_presets,

@@ -73,7 +73,7 @@ def _run_update(trainer, batch, adv):
     handle = trainer.optimizer.register_step_pre_hook(record)
     stats = trainer._update(batch, adv, None)
     handle.remove()
-    from dppo.train.checkpoint import full_state
+    from dppo.run_files.checkpoint import full_state
     weights = full_state(trainer.dist, trainer.model, trainable_only=True, rank0_only=False)
     return grads, {k: float(v) for k, v in stats.items()}, {k: v.clone() for k, v in weights.items()}
 

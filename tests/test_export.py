@@ -1,4 +1,4 @@
-"""The model leaves dppo as a Hugging Face folder (`dppo.train.export`): the hf/ folder of a finished run's final
+"""The model leaves dppo as a Hugging Face folder (`dppo.run_files.export`): the hf/ folder of a finished run's final
 checkpoint and `dppo export RUN_DIR [--step N] OUT [--merged]` load with transformers (and peft, and vLLM) alone,
 and give the trainer's log-probs in fp32.
 
@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 from dppo.cli import main
 from dppo.runtime.models import char_tokenizer
 from dppo.train.build import build_model
-from dppo.train.checkpoint import checkpoint_path, load_checkpoint
+from dppo.run_files.checkpoint import load_checkpoint
+from dppo.run_files.run_dir import checkpoint_path
 from dppo.train.config import Config, replace
 from dppo.train.evaluation import load_checkpoint_weights
 
@@ -172,7 +173,7 @@ def test_vllm_loads_the_exported_folder_with_no_dppo_code(run, tmp_path):
 def test_the_char_tokenizer_round_trips_through_its_exported_form(tmp_path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from dppo.train.export import portable_tokenizer
+    from dppo.run_files.export import portable_tokenizer
 
     tokenizer = char_tokenizer()
     portable_tokenizer(tokenizer).save_pretrained(tmp_path)

@@ -1,5 +1,5 @@
 """The run directory under the faults of long jobs: a full disk at each file a run writes, torn log lines, and
-errors that name their cause (`dppo.train.run_dir`, the logger's resume repair, `dppo.cli.main`'s error policy).
+errors that name their cause (`dppo.run_files.run_dir`, the logger's resume repair, `dppo.cli.main`'s error policy).
 
 Faults are injected at the writer's own write calls (`run_dir._write` for the JSONL appends, `run_dir._open` for
 every other file the writer opens, safetensors' `save_file`, a tracker's `log`), and on a real small tmpfs where
@@ -25,11 +25,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import dppo.train.run_dir as run_dir_mod
+import dppo.run_files.run_dir as run_dir_mod
 from dppo.cli import main
-from dppo.train.checkpoint import MARKER, complete_checkpoints, load_checkpoint, save_checkpoint
-from dppo.train.logger import RunLogger
-from dppo.train.run_dir import JsonlWriter, RunDirError, disk_errno, repair_jsonl
+from dppo.run_files.checkpoint import load_checkpoint, save_checkpoint
+from dppo.run_files.logger import RunLogger
+from dppo.run_files.run_dir import MARKER, JsonlWriter, RunDirError, complete_checkpoints, disk_errno, repair_jsonl
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 ARGS = ["--preset", "smoke", "--train.steps", "4", "--train.checkpoint-every", "1", "--train.keep-checkpoints", "10",
@@ -186,7 +186,7 @@ def test_a_real_full_tmpfs_gives_the_clear_error(tmp_path, monkeypatch, model_an
         first = _save(run, 1, model, optimizer)
         weights = (first / "model.safetensors").stat().st_size
         monkeypatch.setattr(run_dir_mod, "check_space", lambda *a, **k: None)
-        monkeypatch.setattr("dppo.train.checkpoint.check_space", lambda *a, **k: None)
+        monkeypatch.setattr("dppo.run_files.checkpoint.check_space", lambda *a, **k: None)
         leave = 4096 if fail_at == "model.safetensors" else weights + 8192  # weights fit, the optimizer does not
         ballast = mount / "ballast"
         with open(ballast, "wb") as f:
@@ -353,7 +353,7 @@ def test_a_full_disk_at_the_config_stops_before_training(tmp_path, monkeypatch, 
 
 
 def test_a_full_disk_at_the_final_model_says_the_run_finished(tmp_path, monkeypatch, capsys):
-    import dppo.train.export as export
+    import dppo.run_files.export as export
 
     monkeypatch.setattr(export, "_save", _enospc)
     run = tmp_path / "run"

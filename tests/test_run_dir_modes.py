@@ -30,9 +30,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import dppo.train.run_dir as run_dir_mod
+import dppo.run_files.run_dir as run_dir_mod
 from dppo.cli import main
-from dppo.train.checkpoint import complete_checkpoints, load_checkpoint
+from dppo.run_files.checkpoint import load_checkpoint
+from dppo.run_files.run_dir import complete_checkpoints
 from conftest import launch_ranks as _launch, torchrun as _torchrun
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,7 +31,7 @@ import pytest
 
 from dppo.cli import parse_config
 from dppo.train.config import Config, ConfigError, LogConfig, replace
-from dppo.train.logger import RunLogger
+from dppo.run_files.logger import RunLogger
 from dppo.train.presets import get_preset
 
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
@@ -160,7 +160,7 @@ def test_report_to_from_cli_and_yaml(tmp_path):
 
 def test_missing_tracker_package_fails_at_parse_naming_the_field(monkeypatch, tmp_path, capsys):
     """The check runs in the config's validation, so `dppo train` stops before any model is loaded."""
-    import dppo.train.logger as logger
+    import dppo.run_files.logger as logger
     from dppo.cli import main
 
     monkeypatch.setitem(logger._INSTALL, "wandb", ("dppo_no_such_tracker_pkg", "pip install 'dppo[wandb]'"))

@@ -3,7 +3,7 @@
 One table drives every bad input through a public entry point (`dppo.cli.main`, `Trainer`, `SamplingParams`,
 an engine's `generate`, `make_task`, `get_reward`) and checks the error type and that the message names the
 field, file, line or parameter at fault. The checkpoint tests write, truncate and interrupt checkpoints with
-`dppo.train.checkpoint` directly and through `Trainer` resume. Everything runs on the `smoke` preset and the tiny
+`dppo.run_files.checkpoint` directly and through `Trainer` resume. Everything runs on the `smoke` preset and the tiny
 models of conftest.py; one smoke run (two checkpoints) is shared by the module.
 """
 
@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch import nn
 
-import dppo.train.checkpoint as ckpt_mod
-from dppo.train.checkpoint import MARKER, complete_checkpoints, load_latest, save_checkpoint
+import dppo.run_files.checkpoint as ckpt_mod
+from dppo.run_files.checkpoint import load_latest, save_checkpoint
+from dppo.run_files.run_dir import MARKER, complete_checkpoints
 from dppo.cli import main
 from dppo.train.config import ConfigError, replace
 from dppo.train.presets import get_preset

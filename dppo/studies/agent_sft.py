@@ -36,6 +36,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from dppo.envs.base import check_messages
+from dppo.envs.tools import tool_schema
+from dppo.rollout.episodes import ChatDelta
 from dppo.train.scoring import score_responses
 
 
@@ -54,10 +57,6 @@ def build_transcript(tokenizer, env, example, *, delta=None, name: str = "enviro
 
     ValueError (naming the environment and the example) when the environment has no demonstration or the
     demonstration does not start with an assistant message."""
-    from dppo.envs.base import check_messages
-    from dppo.envs.tools import tool_schema
-    from dppo.rollout.episodes import ChatDelta
-
     delta = delta or ChatDelta(tokenizer)
     first = check_messages(env.reset(example), name)
     demo = env.demonstration(example) if callable(getattr(env, "demonstration", None)) else None
@@ -95,8 +94,6 @@ def build_transcript(tokenizer, env, example, *, delta=None, name: str = "enviro
 
 def build_transcripts(tokenizer, env_factory: Callable, examples: Sequence, *, name: str = "environment") -> list[Transcript]:
     """`build_transcript` of every example, a fresh environment each (one `ChatDelta` for all)."""
-    from dppo.rollout.episodes import ChatDelta
-
     delta = ChatDelta(tokenizer)
     return [build_transcript(tokenizer, env_factory(), ex, delta=delta, name=name) for ex in examples]
 

@@ -18,6 +18,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from dppo.rewards import get_reward
 from dppo.tasks.addition import addition
 from dppo.tasks.base import Example, Prompt, RewardFn, Task, split_distinct
 from dppo.tasks.files import file_task
@@ -61,8 +62,6 @@ def make_task(name: str, **options: Any) -> Task:
         valid = ", ".join(TASKS)
         raise ValueError(f"unknown task {name!r}; valid names: {valid}, or {RG_PREFIX}<reasoning-gym dataset>")
     if reward is not None:
-        from dppo.rewards import get_reward
-
         task = Task(name=task.name, train=task.train, eval=task.eval, reward=get_reward(reward))
     return task
 

@@ -2,25 +2,41 @@
 source (the engine spec it is built from, the checks of the rollout set-up on this machine).
 
 This is where the run config ends: below it, engines, workers and sources take an `EngineSpec` and explicit
-arguments. Also the two weight helpers the trainer needs: `trainable_state` (what a checkpoint stores) and
-`engine_state` (the weights, LoRA merged, that an engine loads).
+arguments. The weights an engine loads (`engine_state`) come from `dppo.train.weights`.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from dppo.train.config import Config
+from dppo.envs.base import check_messages
+from dppo.rewards import RewardRunner
+from dppo.rollout import engine_class
+from dppo.rollout.async_source import AsyncSource
+from dppo.rollout.episodes import EpisodeSpec
+from dppo.rollout.remote import start_pool
+from dppo.rollout.source import EngineSource
+from dppo.rollout.spec import EngineSpec
+from dppo.rollout.spec import build_engine as from_spec
+from dppo.runtime import hardware, models
+from dppo.runtime.hardware import describe
+from dppo.runtime.models import ModelSpec
+from dppo.tasks import TASKS, make_task
+from dppo.train.config import Config, ConfigError, replace
+from dppo.train.distributed import decoder_layers
+from dppo.train.scoring import ScoringModule, packed_layout_supported
+from dppo.train.weights import engine_state
+from dppo.trust_region import region_params
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build_task(cfg: Config):
-    from dppo.tasks import make_task
-
     t = cfg.task
     options = dict(t.options_dict)
     accepted = _task_parameters(t.name)
@@ -41,10 +57,6 @@ def build_task(cfg: Config):
 
 def _task_parameters(name: str) -> set[str] | None:
     """The keyword options a task builder accepts (None = it takes any)."""
-    import inspect
-
-    from dppo.tasks import TASKS
-
     builder = TASKS.get(name)
     if builder is None:
         return None
@@ -55,24 +67,18 @@ def _task_parameters(name: str) -> set[str] | None:
 
 
 def build_reward_runner(cfg: Config, task):
-    from dppo.rewards import RewardRunner
-
     return RewardRunner(task.reward, timeout_s=cfg.task.reward_timeout_s, name=cfg.task.reward or None,
                         task=cfg.task.name)
 
 
 def model_spec(cfg: Config):
     """The `ModelSpec` of the run's policy (what an engine loads to hold the same architecture)."""
-    from dppo.runtime.models import ModelSpec
-
     m = cfg.model
     return ModelSpec(m.name, tiny_hidden=m.tiny_hidden, tiny_layers=m.tiny_layers, seed=cfg.train.seed)
 
 
 def build_model(cfg: Config, run_dir: Path | None = None):
     """The policy (trainable, in train mode), its tokenizer, and its folder (None for tiny-random)."""
-    from dppo.runtime import models
-
     m = cfg.model
     model, tokenizer, path = models.load(model_spec(cfg), dtype=_DTYPES[m.dtype])
     model.to(resolve_device(m.device))
@@ -105,8 +111,6 @@ def build_scorer(cfg: Config, model: nn.Module, dist) -> nn.Module:
     """What the trainer calls to score: `ScoringModule(model)` with this run's layout, wrapped by DDP or FSDP2
     under torchrun. FSDP2 shards `model`'s parameters in place (they become DTensors): `fully_shard` per
     decoder layer, then the root; DDP leaves `model` as it is."""
-    from dppo.train.scoring import ScoringModule, packed_layout_supported
-
     layout = scoring_layout(cfg, sharded=dist.sharded)
     if layout == "packed" and not packed_layout_supported(model):
         field = "model.gradient_checkpointing" if cfg.train.scoring_layout == "auto" else "train.scoring_layout"
@@ -121,8 +125,6 @@ def build_scorer(cfg: Config, model: nn.Module, dist) -> nn.Module:
         ids = [dist.device.index] if dist.device.type == "cuda" else None
         return DistributedDataParallel(scorer, device_ids=ids)
     from torch.distributed.fsdp import fully_shard
-
-    from dppo.train.distributed import decoder_layers
 
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dist.device_mesh())
@@ -142,8 +144,6 @@ def resolve_device(name: str) -> torch.device:
 def resolve_rollout(cfg: Config) -> tuple:
     """(engine, engine dtype, warning or None) for this machine: `rollout.engine/dtype: auto` resolved by
     `dppo.runtime.hardware`, each with its reason."""
-    from dppo.runtime import hardware
-
     device = resolve_device(cfg.model.device)
     dtype, warning = hardware.resolve_dtype(cfg.rollout.dtype, device)
     return hardware.resolve_engine(cfg.rollout.engine, dtype.value, device), dtype, warning
@@ -154,9 +154,6 @@ def resolve_config(cfg: Config) -> Config:
     on this machine, rollout.top_k_logprobs as K (20 or 0 when unset), and the chosen trust region's parameters
     (δ's, ε's, ...) at their registry defaults when unset. A run directory's config.yaml holds this, and a resumed
     run reads exactly it (idempotent: resolving it again changes nothing)."""
-    from dppo.train.config import replace
-    from dppo.trust_region import region_params
-
     engine, dtype, _ = resolve_rollout(cfg)
     loss = region_params(cfg.loss.trust_region, cfg.loss.settings())
     return replace(cfg, rollout={"engine": engine.value, "dtype": dtype.value, "top_k_logprobs": cfg.top_k_logprobs},
@@ -166,8 +163,6 @@ def resolve_config(cfg: Config) -> Config:
 def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0):
     """The run's `EngineSpec` (engine and dtype resolved for this machine): what an in-process engine and every
     rollout worker are built from. device: the engine's (default: the trainer's)."""
-    from dppo.rollout.spec import EngineSpec
-
     r = cfg.rollout
     engine, dtype, _ = resolve_rollout(cfg)
     vllm = ({"gpu_memory_utilization": r.vllm_gpu_memory_utilization} if torch.cuda.is_available()
@@ -181,8 +176,6 @@ def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0)
 
 def announce_rollout(cfg: Config, announce) -> None:
     """Say which engine and dtype `auto` chose and why (and the emulated-bf16 warning)."""
-    from dppo.runtime.hardware import describe
-
     engine, dtype, warning = resolve_rollout(cfg)
     for line in (describe(engine, dtype), warning and f"[dppo] warning: {warning}"):
         if line and announce is not None:
@@ -193,11 +186,6 @@ def check_rollout(cfg: Config, trainer_device: torch.device) -> None:
     """ConfigError naming the field for a rollout set-up that cannot work on this machine, before any model
     loads (rollout.mode async: a device this machine does not have, an engine that cannot receive weights, Ray
     not installed)."""
-    import importlib.util
-
-    from dppo.rollout import engine_class
-    from dppo.train.config import ConfigError
-
     r = cfg.rollout
     if r.mode != "async":
         return
@@ -228,8 +216,6 @@ def worker_devices(cfg: Config, trainer_device: torch.device) -> list[str]:
 def build_engine(cfg: Config, model: nn.Module, *, dist=None, seed_offset: int = 0, announce=None):
     """An in-process engine built from the run's spec, holding `model`'s weights (LoRA merged; under FSDP2 a
     collective). For evaluation and tools; the trainer's engine lives in its `RolloutSource`."""
-    from dppo.rollout.spec import build_engine as from_spec
-
     announce_rollout(cfg, announce)
     engine = from_spec(engine_spec(cfg, seed_offset=seed_offset))
     engine.load_weights(engine_state(model, dist))
@@ -242,16 +228,11 @@ def build_source(cfg: Config, *, draw, weights: dict[str, torch.Tensor], version
     process (sync; `rollout.engine_lag` versions behind) or rollout workers (async). draw(step) -> `Draw`: the
     trainer's prompt draw; position: the prompt sampler's position now. announce: called with the workers' line
     (the engine choice is announced by the caller, from the config as the user gave it: `announce_rollout`)."""
-    from dppo.rollout.source import EngineSource
-    from dppo.rollout.spec import build_engine as from_spec
-
     r, episodes = cfg.rollout, episode_spec(cfg)
     if r.mode == "sync":  # ranks sample differently: engine seed train.seed + rank
         engine = from_spec(engine_spec(cfg, seed_offset=rank))
         return EngineSource(engine, draw, weights=weights, version=version, start_position=position, lag=r.engine_lag,
                             episodes=episodes)
-    from dppo.rollout.async_source import AsyncSource
-    from dppo.rollout.remote import start_pool
 
     pool = start_pool(r.backend, engine_spec(cfg), worker_devices(cfg, device), weights, version,
                       threads=r.worker_threads, timeout_s=r.worker_timeout_s, seed_offset=1000 * rank,
@@ -265,8 +246,6 @@ def build_source(cfg: Config, *, draw, weights: dict[str, torch.Tensor], version
 
 def episode_spec(cfg: Config):
     """The run's `EpisodeSpec` (multi-turn episodes), or None for single-turn responses (env.name '')."""
-    from dppo.rollout.episodes import EpisodeSpec
-
     e = cfg.env
     if not e.name:
         return None
@@ -280,7 +259,6 @@ def check_environment(cfg: Config, examples) -> str | None:
     spec = episode_spec(cfg)
     if spec is None:
         return None
-    from dppo.envs.base import check_messages
 
     try:
         env = spec.factory()()
@@ -289,42 +267,3 @@ def check_environment(cfg: Config, examples) -> str | None:
         raise ValueError(f"env.name: {err}") from err
     line = getattr(env, "start_line", None)
     return line() if callable(line) else None
-
-
-def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint stores: every parameter that requires grad (LoRA: only the adapter)."""
-    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-
-
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full model's weights with HF names; for a peft model the LoRA deltas are added to the base weights
-    out of place (the trainer's model is not modified)."""
-    if not hasattr(model, "get_base_model"):
-        return {k: v.detach() for k, v in model.state_dict().items()}
-    from peft.tuners.lora import LoraLayer
-
-    deltas = {}
-    for name, module in model.get_base_model().named_modules():
-        if isinstance(module, LoraLayer):
-            delta = sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
-            deltas[f"{name}.weight"] = delta
-    out = {}
-    for key, value in model.get_base_model().state_dict().items():
-        if "lora_" in key:
-            continue
-        clean = key.replace(".base_layer.", ".")
-        value = value.detach()
-        if clean in deltas:
-            value = value + deltas[clean].detach().to(value.dtype)
-        out[clean] = value
-    return out
-
-
-def engine_state(model: nn.Module, dist=None) -> dict[str, torch.Tensor]:
-    """The weights an engine loads, as a state dict with HF names: the model's own (views, no copy), LoRA merged
-    (out of place), or under FSDP2 the gathered full weights (a collective: every rank must call it)."""
-    if dist is not None and dist.sharded:
-        from dppo.train.checkpoint import full_state
-
-        return full_state(dist, model, trainable_only=False, rank0_only=False)
-    return merged_state_dict(model)

@@ -21,6 +21,7 @@ import yaml
 
 from dppo.advantages import ADVANTAGES
 from dppo.losses import AGGREGATIONS, ANCHORS, LOSSES
+from dppo.run_files.logger import TRACKERS, check_tracker_installed
 from dppo.sequence_mask import SEQUENCE_MASKS, SEQUENCE_SIDES, SEQUENCE_UNITS
 from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params, check_param, needs_topk, region_params
 
@@ -443,7 +444,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class LogConfig:
     """Where and what the run writes: metrics.jsonl always, plus the experiment trackers of `report_to`
-    (dppo.train.logger). `trackers` is the list actually used: `report_to` less "none", and less "tensorboard"
+    (dppo.run_files.logger). `trackers` is the list actually used: `report_to` less "none", and less "tensorboard"
     when the older switch `tensorboard` is false (so configs and flags from before `report_to`,
     `tensorboard: false` / `--log.no-tensorboard`, still turn TensorBoard off; `tensorboard: true` adds nothing)."""
 
@@ -469,8 +470,6 @@ class LogConfig:
     """Responses per step written to samples.jsonl."""
 
     def __post_init__(self) -> None:
-        from dppo.train.logger import TRACKERS, check_tracker_installed
-
         report_to = (self.report_to,) if isinstance(self.report_to, str) else tuple(self.report_to)
         object.__setattr__(self, "report_to", report_to)  # a single name (TRL accepts a str) becomes a tuple
         for name in report_to:

@@ -17,7 +17,7 @@ How a step is split (the gradient equals the single-process gradient of the same
 The model is trained through `ScoringModule` (`score_responses` as a forward), wrapped by DDP or FSDP2
 (`fully_shard` per decoder layer, then the root). A failure (or a skipped step) on one rank is agreed by all ranks
 (`Dist.agree`) so they never diverge in their number of collectives. `Dist` holds the collectives only: the
-scorer is wrapped in `dppo.train.build.build_scorer`, checkpoints are gathered and written in `dppo.train.checkpoint`
+scorer is wrapped in `dppo.train.build.build_scorer`, checkpoints are gathered and written in `dppo.run_files.checkpoint`
 (rank 0 writes the full state; every rank reads the folder on resume: a shared filesystem for multi-node).
 """
 

@@ -10,10 +10,11 @@ from torch import Tensor
 
 from dppo.rollout.base import SamplingParams
 from dppo.train.batch import RolloutBatch, collate
-from dppo.train.build import build_engine, build_model, build_reward_runner, build_task, episode_spec, trainable_state
-from dppo.train.checkpoint import load_full_state, load_latest
+from dppo.train.build import build_engine, build_model, build_reward_runner, build_task, episode_spec
+from dppo.run_files.checkpoint import load_full_state, load_latest
 from dppo.train.config import Config
 from dppo.train.distributed import Dist
+from dppo.train.weights import trainable_state
 
 
 def load_checkpoint_weights(model, weights: dict[str, Tensor], path: Path, *, flag: str, dist: Dist | None = None) -> None:

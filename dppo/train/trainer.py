@@ -29,25 +29,25 @@ import torch
 from torch import Tensor
 
 from dppo.advantages import compute_advantages
-from dppo.train.checkpoint import load_latest, load_optimizer, save_training_checkpoint, set_rng_state
+from dppo.run_files.checkpoint import load_latest, load_optimizer, save_training_checkpoint, set_rng_state
 from dppo.train.config import Config
 from dppo import metrics
 from dppo.divergence import binary_tv, topk_kl, topk_tv
 from dppo.runtime.faults import fault_point
-from dppo.train.logger import RunLogger
+from dppo.run_files.logger import RunLogger
 from dppo.rewards.runner import NonFiniteRewardError
 from dppo.losses import LOSSES, aggregation_denominator
 from dppo.rollout.base import SamplingParams
 from dppo.train.batch import RolloutBatch, collate
 from dppo.rollout.source import Draw
 from dppo.train.build import (announce_rollout, build_model, build_reward_runner, build_scorer, build_source, build_task,
-                              check_environment, check_rollout, engine_state, episode_spec, resolve_config,
-                              resolve_device)
+                              check_environment, check_rollout, episode_spec, resolve_config, resolve_device)
 from dppo.train import episodes as episode_metrics
 from dppo.train.evaluation import decode_responses, engine_prompts, evaluate, load_checkpoint_weights
 from dppo.train.scoring import Scores
 from dppo.trust_region import TRUST_REGIONS
 from dppo.train.distributed import init_from_env, local_tensor
+from dppo.train.weights import engine_state
 
 SKIP_WARN_EVERY = 10  # a skipped optimiser step is announced when a streak starts and then every 10th skip
 
@@ -521,7 +521,7 @@ class Trainer:
                                          keep=self.cfg.train.keep_checkpoints)  # under torchrun: rank 0 writes
 
     def _restore(self) -> None:
-        from dppo.train.checkpoint import complete_checkpoints
+        from dppo.run_files.run_dir import complete_checkpoints
 
         found = load_latest(self.run_dir)
         if found is None:

@@ -14,6 +14,8 @@ import argparse
 import datetime as _dt
 import json
 
+from dppo.studies.diagnose.run import run_diagnose
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dppo diagnose", description=__doc__.split("\n\n")[0],
@@ -65,7 +67,6 @@ def cmd_diagnose(argv: list[str]) -> int:
         print("error: --task-options: expected a JSON object")
         return 2
     out_dir = args.out_dir or f"runs/diagnose-{_dt.datetime.now():%Y%m%d-%H%M%S}"
-    from dppo.studies.diagnose.run import run_diagnose
 
     try:
         report = run_diagnose(args.model, engine=args.engine, engine_dtype=args.engine_dtype, task=args.task,

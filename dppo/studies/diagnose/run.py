@@ -21,16 +21,23 @@ from typing import Any
 
 import torch
 
+from dppo.rollout import SamplingParams, make_engine
+from dppo.runtime import models
+from dppo.runtime.hardware import resolve_engine
 from dppo.studies.diagnose.mismatch import DEFAULT_BUCKETS, mismatch_report, token_metrics
 from dppo.studies.diagnose.plots import plot_histograms, plot_ratio_vs_tv
+from dppo.tasks import TASKS, make_task
+from dppo.train.batch import collate
+from dppo.train.build import resolve_device
+from dppo.train.config import RolloutConfig
+from dppo.train.evaluation import engine_prompts
+from dppo.train.scoring import score_responses
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _task_examples(task: str, options: Mapping[str, Any], n_prompts: int, seed: int) -> list:
     """The first `n_prompts` training questions of the task (its held-out split left empty when possible)."""
-    from dppo.tasks import TASKS, make_task
-
     builder = TASKS.get(task)
     params = None if builder is None else inspect.signature(builder).parameters
     takes_any = params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -53,11 +60,8 @@ def _round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def _make_engine(name: str, model, tokenizer, path: Path, dtype: str, seed: int, top_k: int):
     """The engine, built the way `dppo.train.build.build_engine` does, holding the trainer's weights."""
-    from dppo.rollout import make_engine
-
     if name == "hf":
         return make_engine("hf", model, tokenizer, dtype=_DTYPES[dtype], seed=seed)
-    from dppo.train.config import RolloutConfig
 
     defaults = RolloutConfig()
     extra = ({"gpu_memory_utilization": defaults.vllm_gpu_memory_utilization} if torch.cuda.is_available()
@@ -92,14 +96,6 @@ def run_diagnose(
     (0 = none: no Top-K metrics). Writes `out_dir/diagnose.json`, `ratio_vs_tv.png` and `histograms.png`;
     returns the report (`mismatch_report`'s dict plus "config", "timing_s" and "files").
     """
-    from dppo.runtime import models
-    from dppo.train.build import resolve_device
-    from dppo.runtime.hardware import resolve_engine
-    from dppo.rollout import SamplingParams
-    from dppo.train.batch import collate
-    from dppo.train.scoring import score_responses
-    from dppo.train.evaluation import engine_prompts
-
     if engine_dtype not in _DTYPES:
         raise ValueError(f"engine_dtype: expected one of {', '.join(_DTYPES)}, got {engine_dtype!r}")
     if n_prompts < 1:

@@ -31,12 +31,19 @@ from typing import Any
 
 import torch
 
+from dppo.envs import make_environment
+from dppo.runtime.models import char_tokenizer, save_model, tiny_random_model
+from dppo.studies.agent_sft import agent_sft
 from dppo.studies.sanity.config import TASK_DEFAULTS, SanityConfig, parse_args, task_options
 from dppo.studies.sanity.methods import method_loss, run_name
 from dppo.studies.sanity.noise import NoisyRolloutTrainer
+from dppo.studies.sanity.report import cmd_report
 from dppo.studies.sanity.summary import (CRITERIA, CURVE_KEYS, curves, fmt, format_table, plot_sanity, summarize_method,
                                          summarize_run)
+from dppo.studies.sft import sft_warm_start
+from dppo.tasks import make_task
 from dppo.train.config import Config, replace
+from dppo.train.plot import read_metrics
 from dppo.train.trainer import Trainer
 
 MICRO_BATCH_SIZE = 64
@@ -65,10 +72,6 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers:
     model. `sft_steps` / `batch_size` default to the task's `TASK_DEFAULTS`. With `env` (a `dppo.envs` name, e.g.
     "feedback") the SFT is `dppo.studies.agent_sft` on that environment's demonstrations: the chat layout of its
     episodes, as RL sees them."""
-    from dppo.runtime.models import char_tokenizer, save_model, tiny_random_model
-    from dppo.studies.sft import sft_warm_start
-    from dppo.tasks import make_task
-
     options = _task_and_options(task, options, digits)
     defaults = TASK_DEFAULTS[task]
     sft_steps = defaults["sft_steps"] if sft_steps is None else sft_steps
@@ -94,8 +97,6 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers:
         if env == "none":
             losses = sft_warm_start(model, tok, list(task_.train), steps=sft_steps, batch_size=batch_size, lr=lr, seed=seed)
         else:
-            from dppo.envs import make_environment
-            from dppo.studies.agent_sft import agent_sft
             losses = agent_sft(model, tok, make_environment(env), list(task_.train), steps=sft_steps,
                                batch_size=batch_size, lr=lr, seed=seed)
     save_model(model, tok, folder)
@@ -138,8 +139,6 @@ def study_settings(study: SanityConfig, model_dir: Path) -> dict[str, Any]:
 def _run_seed(study: SanityConfig, model_dir: Path, method: str, seed: int) -> tuple[dict[str, Any], list[dict]]:
     """Train one (method, seed); its summary (`summarize_run`, plus seed, seconds, run folder and the evaluation
     after training) and its metric rows. A run the trainer stops (too many non-finite steps) counts as collapsed."""
-    from dppo.train.plot import read_metrics
-
     run_dir = Path(study.out_dir) / f"{run_name(method)}-seed{seed}"
     cfg = sanity_config(study, model_dir, run_dir, method, seed)
     t0 = time.perf_counter()
@@ -217,7 +216,7 @@ def cmd_sanity(argv: list[str]) -> int:
     """`dppo sanity [FLAGS]` (the flags are `SanityConfig`'s fields) and `dppo sanity report ...`. Exit 2 with one
     line naming the field for a value the config rejects; tyro's exit code for one it cannot read."""
     if argv[:1] == ["report"]:  # `dppo sanity report DIR ...`: tables from finished runs
-        from dppo.studies.sanity.report import cmd_report
+
         return cmd_report(argv[1:])
     try:
         try:

@@ -11,7 +11,7 @@ leaves the machine: wandb runs with mode="offline" (and WANDB_ERROR_REPORTING=fa
 starts), trackio is opened with TRACKIO_SPACE_ID / TRACKIO_SERVER_URL removed from the environment for the call,
 so it writes only its local SQLite database. A resumed run opens a new tracker run under the same name.
 
-Files are written through `dppo.train.run_dir`: each JSONL line whole, in one write call, unbuffered (a reader of a
+Files are written through `dppo.run_files.run_dir`: each JSONL line whole, in one write call, unbuffered (a reader of a
 live run never sees half a line from a failed write); on resume each JSONL file first loses a torn last line (a
 kill mid-write; a warning names the file and the bytes dropped), then the records after the checkpoint's step.
 A disk error (full, quota, I/O, read-only) in a log or a tracker is a `RunDirError`; any other error of a tracker
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from dppo.train.run_dir import JsonlWriter, disk_error, disk_errno, guard, repair_jsonl
+from dppo.run_files.run_dir import JsonlWriter, disk_error, disk_errno, guard, repair_jsonl
 
 LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
 """The JSONL files of a run: one line per step, per logged sample, per evaluation."""

@@ -1,6 +1,6 @@
 """A run's model as a Hugging Face folder that `from_pretrained`, `vllm serve` and `push_to_hub` take as it is,
-with no dppo code: `dppo export RUN_DIR [--step N] OUT [--merged]`, and the `hf/` folder `dppo train` writes into
-its final checkpoint.
+with no dppo code: what `dppo export RUN_DIR [--step N] OUT [--merged]` writes (`dppo.cli.export_checkpoint`), and
+the `hf/` folder `dppo train` writes into its final checkpoint.
 
 Full fine-tuning: config.json, generation_config.json, model.safetensors (the trained weights, in the training
 dtype), the tokenizer with its chat template. LoRA (`model.lora_rank > 0`): the PEFT adapter folder
@@ -8,10 +8,10 @@ dtype), the tokenizer with its chat template. LoRA (`model.lora_rank > 0`): the 
 model's folder (for tiny-random, built in process, the base model is written to `base/` inside the export); with
 `merged=True` the base model with the adapter merged in, as a plain model folder.
 
-The model is rebuilt from the run's config.yaml exactly as the trainer built it (`build_model`) and the
-checkpoint's weights loaded into it, so under FSDP2 nothing is gathered again: a checkpoint holds full tensors.
-The folder is written to a temporary sibling and renamed into place (a killed export leaves no half folder), and a
-disk error is one `RunDirError` (`dppo.train.run_dir`).
+`dppo.cli.export_checkpoint` rebuilds the model from the run's config.yaml exactly as the trainer built it
+(`build_model`) and loads the checkpoint's weights into it, so under FSDP2 nothing is gathered again: a checkpoint
+holds full tensors; `export_model` here writes it. The folder is written to a temporary sibling and renamed into
+place (a killed export leaves no half folder), and a disk error is one `RunDirError` (`dppo.run_files.run_dir`).
 
 The tiny-random model's character tokenizer is saved in an equivalent byte-level form: transformers 5 maps every
 qwen2 folder to `Qwen2Tokenizer`, which rebuilds a byte-level BPE from the vocabulary and would drop the
@@ -31,40 +31,7 @@ from pathlib import Path
 
 from torch import nn
 
-from dppo.train.run_dir import guard
-
-
-def export_checkpoint(run_dir: str | Path, out: str | Path, *, step: int | None = None, merged: bool = False,
-                      advice: str | None = None) -> Path:
-    """Write checkpoint `step` (default: the newest that loads) of the run in `run_dir` as a Hugging Face folder
-    `out` (which must not exist). ValueError naming the flag at fault for a missing run, step or checkpoint;
-    RunDirError ending with `advice` (default: run the export again) when the disk cannot take it."""
-    from dppo.train.build import build_model
-    from dppo.train.checkpoint import checkpoint_path, complete_checkpoints, load_checkpoint, load_latest
-    from dppo.train.config import Config, replace
-    from dppo.train.evaluation import load_checkpoint_weights
-
-    run_dir, out = Path(run_dir), Path(out)
-    if not (run_dir / "config.yaml").is_file():
-        raise ValueError(f"RUN_DIR: {run_dir} is not a run directory (no config.yaml)")
-    if out.exists():
-        raise ValueError(f"OUT: {out} already exists; give a new folder")
-    if step is not None:
-        path = checkpoint_path(run_dir, step)
-        if path not in complete_checkpoints(run_dir):
-            have = ", ".join(str(int(p.name.split("_")[1])) for p in complete_checkpoints(run_dir)) or "none"
-            raise ValueError(f"--step: no complete checkpoint {path.name} under {run_dir / 'checkpoints'} "
-                             f"(complete steps: {have})")
-        ckpt = load_checkpoint(path)
-    else:
-        found = load_latest(run_dir)
-        if found is None:
-            raise ValueError(f"RUN_DIR: no complete checkpoint under {run_dir / 'checkpoints'}")
-        path, ckpt = found
-    cfg = replace(Config.load(run_dir / "config.yaml"), model={"device": "cpu", "gradient_checkpointing": False})
-    model, tokenizer, base = build_model(cfg, run_dir)
-    load_checkpoint_weights(model, ckpt["weights"], path, flag="RUN_DIR")
-    return export_model(model, tokenizer, out, merged=merged, base=base, run_dir=run_dir, advice=advice)
+from dppo.run_files.run_dir import guard
 
 
 def export_model(model: nn.Module, tokenizer, out: str | Path, *, merged: bool = False, base: Path | None = None,

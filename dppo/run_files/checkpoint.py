@@ -2,7 +2,7 @@
 
 A checkpoint is written to a temporary sibling folder, every file fsynced, a `COMPLETE` marker written
 last, then the folder is renamed into place (atomic on POSIX) and the parent directory fsynced. A folder
-without the marker (a write killed midway) is never loaded. Every file goes through `dppo.train.run_dir`: before
+without the marker (a write killed midway) is never loaded. Every file goes through `dppo.run_files.run_dir`: before
 writing, the free space is checked against the expected size (the previous checkpoint's, or the state's tensor
 bytes); a disk error on the way (full, quota, I/O, read-only) removes the temporary folder and raises one
 `RunDirError` naming the file and the intact previous checkpoint. The run's JSONL logs are fsynced first, so a
@@ -12,9 +12,10 @@ checkpoint never outlives the log lines of its steps. Contents:
 - `optimizer.pt`, `scheduler.pt`: state dicts, loaded with `torch.load(weights_only=True)`,
 - `trainer_state.json`: step, data-sampler position, RNG states (Python, NumPy, torch) as JSON/base64.
 
-Under torchrun (`dppo.train.distributed.Dist`) the weights and optimizer state are gathered to full (unsharded) tensors
-and written by rank 0 in the single-process format (`save_training_checkpoint`), so any world size and either
-strategy can resume from any checkpoint; `load_full_state` / `load_optimizer` put them back into FSDP2 shards.
+Under torchrun (`dppo.train.distributed.Dist`, passed in: this layer is below it, so the functions take any object
+with the `Ranks` attributes) the weights and optimizer state are gathered to full (unsharded) tensors and written by
+rank 0 in the single-process format (`save_training_checkpoint`), so any world size and either strategy can resume
+from any checkpoint; `load_full_state` / `load_optimizer` put them back into FSDP2 shards.
 """
 
 from __future__ import annotations
@@ -25,24 +26,30 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 from safetensors.torch import load_file
 
+from dppo.run_files.logger import LOGS
+from dppo.run_files.run_dir import (MARKER, check_space, checkpoint_path, complete_checkpoints, guard, save_safetensors,
+                                    save_torch, write_file)
 from dppo.runtime.faults import fault_point
-from dppo.train.run_dir import check_space, guard, save_safetensors, save_torch, write_file
 
-if TYPE_CHECKING:
-    from dppo.train.distributed import Dist
-
-MARKER = "COMPLETE"
-LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
-"""The run's JSONL logs (`dppo.train.logger`), fsynced before each checkpoint."""
 SPACE_MARGIN = 256 << 10
 """Bytes beyond the expected checkpoint size that must be free (trainer_state.json, headers, the marker)."""
+
+
+class Ranks(Protocol):
+    """What the torchrun functions below use of `dppo.train.distributed.Dist`."""
+
+    enabled: bool
+    is_main: bool
+    sharded: bool
+
+    def agree(self, failure: BaseException | None) -> str | None: ...
 
 
 class CheckpointError(RuntimeError):
@@ -161,20 +168,6 @@ def _sync_logs(run_dir: str | Path) -> None:
                 os.fsync(f.fileno())
 
 
-def checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    """Where checkpoint `step` of a run lives."""
-    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
-
-
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first (partial writes and temp folders are ignored)."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / MARKER).exists()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
-
-
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load one checkpoint folder: {"weights", "optimizer", "scheduler", "trainer_state"}.
 
@@ -205,7 +198,7 @@ def load_latest(run_dir: str | Path, *, warn=print) -> tuple[Path, dict[str, Any
 
 
 # ---------------------------------------------------------------------------------------------- under torchrun
-def full_state(dist: Dist, model: nn.Module, *, trainable_only: bool, rank0_only: bool) -> dict[str, Tensor]:
+def full_state(dist: Ranks, model: nn.Module, *, trainable_only: bool, rank0_only: bool) -> dict[str, Tensor]:
     """The full (unsharded) weights with HF names. FSDP2: a collective; with rank0_only the tensors are
     gathered to CPU on rank 0 only (others get {}), else every rank gets them on its device."""
     names = [n for n, p in model.named_parameters() if p.requires_grad] if trainable_only else None
@@ -219,7 +212,7 @@ def full_state(dist: Dist, model: nn.Module, *, trainable_only: bool, rank0_only
     return {k: v for k, v in state.items() if names is None or k in names}
 
 
-def load_full_state(dist: Dist, model: nn.Module, weights: dict[str, Tensor]) -> None:
+def load_full_state(dist: Ranks, model: nn.Module, weights: dict[str, Tensor]) -> None:
     """Load full (unsharded) weights, a subset allowed, into the model (FSDP2: into its shards)."""
     if not dist.sharded:
         model.load_state_dict(weights, strict=False)
@@ -229,7 +222,7 @@ def load_full_state(dist: Dist, model: nn.Module, weights: dict[str, Tensor]) ->
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-def optimizer_state(dist: Dist, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state(dist: Ranks, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state dict in the single-process format (parameter indices), full on rank 0."""
     if not dist.sharded:
         return optimizer.state_dict()
@@ -244,7 +237,7 @@ def optimizer_state(dist: Dist, model: nn.Module, optimizer: torch.optim.Optimiz
     return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
 
 
-def load_optimizer(dist: Dist, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_optimizer(dist: Ranks, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     if not dist.sharded:
         optimizer.load_state_dict(state)
         return
@@ -256,7 +249,7 @@ def load_optimizer(dist: Dist, model: nn.Module, optimizer: torch.optim.Optimize
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
-def save_training_checkpoint(dist: Dist, run_dir: Path, step: int, *, model, optimizer, scheduler, trainer_state: dict,
+def save_training_checkpoint(dist: Ranks, run_dir: Path, step: int, *, model, optimizer, scheduler, trainer_state: dict,
                     keep: int) -> Path:
     """Gather the full state on every rank (collective), write it on rank 0, agree on the outcome."""
     weights = full_state(dist, model, trainable_only=True, rank0_only=True)

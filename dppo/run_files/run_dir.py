@@ -31,11 +31,15 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from dppo.runtime.faults import fault_point
+
 DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                errno.EIO: "input/output error", errno.EROFS: "read-only file system"}
 """The OSError codes that mean "the run directory cannot be written" (not a bug in the run)."""
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust libraries (safetensors) quote an errno
+MARKER = "COMPLETE"
+"""The file written last into a checkpoint folder: a folder without it (a write killed midway) is never loaded."""
 LOW_SPACE = 1 << 20
 """Free bytes below which a write error with no errno (a library that lost it) is taken for a full disk."""
 _write, _open = os.write, open  # every byte this module writes goes through these two (the fault tests patch them)
@@ -79,9 +83,22 @@ def human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def newest_checkpoint(run_dir: str | Path) -> Path | None:
-    from dppo.train.checkpoint import complete_checkpoints
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """Where checkpoint `step` of a run lives."""
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoint folders (`dppo.run_files.checkpoint`), oldest first (partial writes and temp folders
+    are ignored)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / MARKER).exists()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def newest_checkpoint(run_dir: str | Path) -> Path | None:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
 
@@ -145,8 +162,6 @@ class JsonlWriter:
             return
         data = "".join(json.dumps(r) + "\n" for r in records).encode()
         if fault is not None and os.environ.get("DPPO_FAULT_INJECT") == fault:
-            from dppo.runtime.faults import fault_point
-
             _write(self._fd, data[: len(data) // 2])
             fault_point(*fault.split("@"))
         with guard(self.run_dir, self.path):
