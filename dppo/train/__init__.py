@@ -1,2 +1,3 @@
 """The training system: config and presets, building the parts, the rollout batch, the trainer and its forward
-(scoring), evaluation, checkpoints, torchrun collectives, logging, hardware-aware precision, model loading."""
+(scoring), the weights it publishes, evaluation, torchrun collectives, plots. The files a run writes (run directory,
+checkpoints, logs, export) are `dppo.run_files`, one layer below."""
