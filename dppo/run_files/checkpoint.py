@@ -33,9 +33,8 @@ import torch
 from torch import Tensor, nn
 from safetensors.torch import load_file
 
-from dppo.run_files.logger import LOGS
-from dppo.run_files.run_dir import (MARKER, check_space, checkpoint_path, complete_checkpoints, guard, save_safetensors,
-                                    save_torch, write_file)
+from dppo.run_files.run_dir import (LOGS, MARKER, check_space, checkpoint_path, complete_checkpoints, guard,
+                                    save_safetensors, save_torch, write_file)
 from dppo.runtime.faults import fault_point
 
 SPACE_MARGIN = 256 << 10

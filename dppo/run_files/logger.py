@@ -30,10 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from dppo.run_files.run_dir import JsonlWriter, disk_error, disk_errno, guard, repair_jsonl
+from dppo.run_files.run_dir import LOGS, JsonlWriter, disk_error, disk_errno, guard, repair_jsonl
 
-LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
-"""The JSONL files of a run: one line per step, per logged sample, per evaluation."""
 TRACKERS = ("tensorboard", "wandb", "trackio")
 """The experiment trackers `log.report_to` can name (TRL's `report_to` names)."""
 

@@ -16,6 +16,9 @@ How each writer keeps what a reader sees whole:
 - `write_atomic`: a temporary sibling file, fsynced, renamed over the target; the old file survives any failure.
 - `save_torch`: `torch.save` into a file object that records the OSError its write met, so torch's opaque
   `RuntimeError: [enforce fail at inline_container.cc] unexpected pos` is reported as the disk error it was.
+
+The run directory's layout lives here too, since the messages name it: the JSONL logs (`LOGS`) and the checkpoint
+folders (`checkpoint_path`; `complete_checkpoints`: those holding the `MARKER`, written by `dppo.run_files.checkpoint`).
 """
 
 from __future__ import annotations
@@ -33,13 +36,16 @@ from typing import Any, Callable, Iterator
 
 from dppo.runtime.faults import fault_point
 
+LOGS = ("metrics.jsonl", "samples.jsonl", "eval.jsonl")
+"""The JSONL files of a run (`dppo.run_files.logger`): one line per step, per logged sample, per evaluation; fsynced
+before each checkpoint."""
+MARKER = "COMPLETE"
+"""The file written last into a checkpoint folder: a folder without it (a write killed midway) is never loaded."""
 DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                errno.EIO: "input/output error", errno.EROFS: "read-only file system"}
 """The OSError codes that mean "the run directory cannot be written" (not a bug in the run)."""
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust libraries (safetensors) quote an errno
-MARKER = "COMPLETE"
-"""The file written last into a checkpoint folder: a folder without it (a write killed midway) is never loaded."""
 LOW_SPACE = 1 << 20
 """Free bytes below which a write error with no errno (a library that lost it) is taken for a full disk."""
 _write, _open = os.write, open  # every byte this module writes goes through these two (the fault tests patch them)
