@@ -40,12 +40,12 @@ import torch
 import tyro
 
 from dppo.envs import make_environment
-from dppo.run_files.checkpoint import CheckpointError, checkpoint_path, complete_checkpoints, load_checkpoint, load_latest
+from dppo.run_files.checkpoint import CheckpointError, load_checkpoint, load_latest
 from dppo.run_files.export import export_model
-from dppo.run_files.run_dir import RunDirError, guard, write_atomic
+from dppo.run_files.run_dir import RunDirError, checkpoint_path, complete_checkpoints, guard, write_atomic
 from dppo.studies.agent_sft import agent_sft, save_model
-from dppo.studies.diagnose.cli import cmd_diagnose as diagnose
-from dppo.studies.sanity import cmd_sanity as sanity
+from dppo.studies.diagnose.cli import cmd_diagnose as diagnose_command
+from dppo.studies.sanity import cmd_sanity as sanity_command
 from dppo.train.build import build_model, build_task, check_environment
 from dppo.train.config import Config, ConfigError, replace
 from dppo.train.distributed import DistributedError, world_from_env
@@ -336,11 +336,11 @@ def cmd_sft(argv: list[str]) -> int:
 
 
 def cmd_diagnose(argv: list[str]) -> int:
-    return diagnose(argv)
+    return diagnose_command(argv)
 
 
 def cmd_sanity(argv: list[str]) -> int:
-    return sanity(argv)
+    return sanity_command(argv)
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot, "presets": cmd_presets,
