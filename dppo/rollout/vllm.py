@@ -240,6 +240,12 @@ class VLLMEngine:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync")
         self.weight_version += 1
 
+    between_chunks = None
+    """In-flight weight updates are the hf engine's (rollout.in_flight_updates needs it): always None here."""
+
+    def enable_prefix_cache(self, max_tokens: int) -> None:
+        """A no-op: vLLM caches prefixes itself (reset at every weight sync)."""
+
     def close(self) -> None:
         """Shut the engine down and free its memory (and the temporary model folder, if any)."""
         if self.llm is not None:
