@@ -62,6 +62,9 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from dppo.envs import make_environment
+from dppo.envs.base import check_messages, check_step
+from dppo.envs.tools import render_messages_with_tools, template_supports_tools, tool_schema
 from dppo.rollout.base import EnginePrompt, Episode, Rollout, SamplingParams
 from dppo.runtime.bounded import bounded_calls
 
@@ -176,8 +179,6 @@ class EpisodeSpec:
     """Longest an environment's reset or step may take; past it the episode ends, counted as an env timeout."""
 
     def factory(self):
-        from dppo.envs import make_environment
-
         return make_environment(self.env, **self.options)
 
     def collector(self) -> "EpisodeCollector":
@@ -187,8 +188,6 @@ class EpisodeSpec:
         """Nothing to do: the environment scored each episode while it ran (the sum of its turns' rewards)."""
 
     def check(self, example) -> str | None:
-        from dppo.envs.base import check_messages
-
         env = self.factory()()
         check_messages(env.reset(example), self.env)
         line = getattr(env, "start_line", None)  # (any class with reset and step is an environment)
@@ -226,8 +225,6 @@ class ChatDelta:
     """Token ids of appended messages, without re-rendering the transcript (see the module docstring)."""
 
     def __init__(self, tokenizer) -> None:
-        from dppo.envs.tools import template_supports_tools
-
         self.tokenizer = tokenizer
         self.tools_in_template = template_supports_tools(tokenizer)
         eos = tokenizer.eos_token_id
@@ -252,8 +249,6 @@ class ChatDelta:
 
     def prompt(self, messages, schemas: list[dict]) -> list[int]:
         """The first prompt's ids: `messages` with the tools (through the template, or in the system prompt)."""
-        from dppo.envs.tools import render_messages_with_tools
-
         if not schemas:
             return self._render(messages, generation_prompt=True)
         if self.tools_in_template:
@@ -357,9 +352,6 @@ class EpisodeCollector:
         spec = self.spec
         if self._factory is None:
             self._factory, self._delta = spec.factory(), ChatDelta(engine.tokenizer)
-        from dppo.envs.base import check_messages
-        from dppo.envs.tools import tool_schema
-
         episodes = []
         for p, example in enumerate(examples):
             for _ in range(params.n):
@@ -417,8 +409,6 @@ class EpisodeCollector:
 
     def _answer(self, episodes: list[_Episode]) -> None:
         """Every episode's environment answers its last reply (in parallel threads; each call bounded in time)."""
-        from dppo.envs.base import check_step
-
         spec = self.spec
         results = bounded_calls([lambda ep=ep: check_step(ep.env.step(ep.messages[-1]["content"]), spec.env)
                                  for ep in episodes], spec.env_timeout_s, name="dppo-env")

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from dppo.rollout.base import FinishReason, EnginePrompt, Rollout, SamplingParams, prompt_token_ids, topk_cells
+from dppo.runtime import models
 
 DEFAULT_KV_CACHE_GB = 2
 """KV cache size on CPU when neither `kv_cache_gb` nor ``VLLM_CPU_KVCACHE_SPACE`` is given."""
@@ -343,8 +344,6 @@ def _save_on_any_rank(model, folder: str) -> None:
 def _model_folder(model, tokenizer, tmpdir: str | None) -> tuple[Path, object]:
     """(folder vLLM loads, tokenizer): a module is saved to `tmpdir`; a name/path is resolved (ValueError if
     missing); the tokenizer defaults to the folder's, if it has one."""
-    from dppo.runtime import models
-
     if isinstance(model, nn.Module):
         if not hasattr(model, "save_pretrained"):
             raise ValueError("model: a module must be a transformers PreTrainedModel (it is saved for vLLM)")
