@@ -265,24 +265,24 @@ def build_source(cfg: Config, episodes, *, draw, weights: dict[str, torch.Tensor
                        episodes=episodes)
 
 
-def build_episodes(cfg: Config, task):
+def build_episodes(cfg: Config, task=None):
     """The run's environment (`dppo.rollout.episodes.Episodes`): with `env.name` '' a single answer per prompt as a
-    one-turn episode scored by the task's reward (`SingleTurnEnv`), else the multi-turn episodes of that
-    environment (`EpisodeSpec`, with the `env.*` limits)."""
+    one-turn episode scored by `task`'s reward (`SingleTurnEnv`; task None: one that only collects), else the
+    multi-turn episodes of that environment (`EpisodeSpec`, with the `env.*` limits)."""
     from dppo.rollout.episodes import EpisodeSpec, SingleTurnEnv
 
     e = cfg.env
     if not e.name:
-        return SingleTurnEnv(cfg.rollout.max_new_tokens, reward=build_reward_runner(cfg, task))
+        return SingleTurnEnv(cfg.rollout.max_new_tokens, reward=None if task is None else build_reward_runner(cfg, task))
     return EpisodeSpec(e.name, e.options_dict, max_turns=e.max_turns, max_tokens=e.max_tokens, env_timeout_s=e.timeout_s)
 
 
-def check_environment(episodes, examples) -> str | None:
+def check_environment(cfg: Config, examples) -> str | None:
     """Before any model loads: the environment exists, takes its options, and its reset() answers the first training
     example with well-formed messages (ValueError naming env.name otherwise). Returns the environment's start-up line
     (the python tool's sandbox layer), if it has one."""
     try:
-        return episodes.check(examples[0])
+        return build_episodes(cfg).check(examples[0])
     except (TypeError, ValueError, KeyError) as err:
         raise ValueError(f"env.name: {err}") from err
 

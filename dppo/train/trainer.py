@@ -148,8 +148,8 @@ class Trainer:
         check_rollout(cfg, resolve_device(cfg.model.device))  # before any model loads
         self.task = build_task(cfg)  # validates data before any model is loaded
         self.train_examples, self.eval_examples = list(self.task.train), list(self.task.eval)
+        env_line = check_environment(cfg, self.train_examples)  # env settings fail here, before any model loads
         self.episodes = build_episodes(cfg, self.task)  # every response is an episode of the run's environment
-        env_line = check_environment(self.episodes, self.train_examples)  # env settings fail here, before any model
         self.max_response_len = self.episodes.max_tokens
         self.model, self.tokenizer, self.model_path = build_model(cfg, self.run_dir)
         self.scorer = build_scorer(cfg, self.model, self.dist)  # DDP/FSDP2 under torchrun (FSDP2 shards self.model)
