@@ -21,7 +21,8 @@ from dppo.example import Example
 from dppo.losses import LOSSES
 from dppo.rollout.base import SamplingParams
 from dppo.rewards.runner import NonFiniteRewardError, RewardRunner
-from dppo.rollout.episodes import ChatDelta, EpisodeCollector, EpisodeSpec, SingleTurnEnv, engine_prompts, episode_rewards
+from dppo.rollout.episodes import (ChatDelta, EpisodeCollector, EpisodeSpec, SingleTurnEnv, engine_prompts,
+                                   episode_rewards)
 from dppo.rollout.hf import HFEngine
 from dppo.train.batch import collate
 from dppo.train.config import EnvConfig

@@ -47,9 +47,9 @@ class RewardRunner:
     """Scores (completion, example) pairs: `runner(completions, examples) -> (rewards [B] float32, stats)`.
 
     stats = {"failures": int, "timeouts": int} for this call; `last_errors` keeps up to 8 messages of the
-    last call, `last_status` each item's outcome ("ok", "failure", "timeout"). Worker processes start on the first call (or `start()`) and are reused; `close()` (or leaving
-    a `with` block, garbage collection, interpreter exit) stops them, and a worker exits by itself within a
-    second when this process dies.
+    last call, `last_status` each item's outcome ("ok", "failure", "timeout"). Worker processes start on the
+    first call (or `start()`) and are reused; `close()` (or leaving a `with` block, garbage collection,
+    interpreter exit) stops them, and a worker exits by itself within a second when this process dies.
     """
 
     def __init__(

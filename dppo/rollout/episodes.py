@@ -4,8 +4,8 @@ Every rollout a `RolloutSource` returns is an episode of the run's environment (
 workers receive it), collected by `env.collector()` wherever the engine is and scored by `env.score` in the
 trainer's process:
 
-- `SingleTurnEnv(reward, max_tokens)`: a single answer as a one-turn episode — the task's prompt, one reply, the
-  task's reward. The whole batch is ONE engine call (params.n answers per prompt) and ONE reward-runner call.
+- `SingleTurnEnv(max_tokens, reward=runner)`: a single answer as a one-turn episode — the task's prompt, one
+  reply, the task's reward. The whole batch is ONE engine call (params.n answers per prompt) and ONE reward-runner call.
 - `EpisodeSpec(env, options, max_turns=..., max_tokens=..., env_timeout_s=...)`: multi-turn episodes of an
   `dppo.envs` environment, scored by the environment turn by turn while they run (`EpisodeCollector`).
 
@@ -16,9 +16,8 @@ trainer's process:
 
 The limits' defaults (turns, tokens, timeout) live in one place, the run config's `EnvConfig`.
 
-Multi-turn episodes:
-
-Layout of one episode (one `Rollout`; P = the first prompt's ids, rendered once by the chat template):
+**Multi-turn episodes.** Layout of one episode (one `Rollout`; P = the first prompt's ids, rendered once by the
+chat template):
 
     prompt_ids    | P = <|im_start|>system ... <|im_start|>user ... <|im_start|>assistant\\n
     response_ids  | g1 ... <|im_end|> | \\n <|im_start|>tool\\n ... <|im_end|>\\n<|im_start|>assistant\\n | g2 ... <|im_end|>
@@ -109,8 +108,8 @@ class Episodes(Protocol):
 def engine_prompts(examples, tokenizer) -> list[EnginePrompt]:
     """What the engine takes for a single answer: chat messages as they are, raw-text prompts as token ids (no
     template)."""
-    return [list(tokenizer.encode(ex.prompt, add_special_tokens=False)) if isinstance(ex.prompt, str) else list(ex.prompt)
-            for ex in examples]
+    return [list(tokenizer.encode(ex.prompt, add_special_tokens=False)) if isinstance(ex.prompt, str)
+            else list(ex.prompt) for ex in examples]
 
 
 @dataclass

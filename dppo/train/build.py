@@ -273,7 +273,8 @@ def build_episodes(cfg: Config, task=None):
 
     e = cfg.env
     if not e.name:
-        return SingleTurnEnv(cfg.rollout.max_new_tokens, reward=None if task is None else build_reward_runner(cfg, task))
+        reward = None if task is None else build_reward_runner(cfg, task)
+        return SingleTurnEnv(cfg.rollout.max_new_tokens, reward=reward)
     return EpisodeSpec(e.name, e.options_dict, max_turns=e.max_turns, max_tokens=e.max_tokens, env_timeout_s=e.timeout_s)
 
 

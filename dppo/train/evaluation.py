@@ -10,7 +10,7 @@ from pathlib import Path
 from torch import Tensor
 
 from dppo.rollout.base import SamplingParams
-from dppo.rollout.episodes import engine_prompts, episode_rewards
+from dppo.rollout.episodes import engine_prompts, episode_rewards  # (engine_prompts: re-exported for the studies)
 from dppo.rollout.source import EngineSource
 from dppo.rollout.spec import build_engine as engine_from_spec
 from dppo.train.batch import RolloutBatch, collate
@@ -49,7 +49,8 @@ def evaluate(source, examples, params: SamplingParams, *, pad_id: int) -> dict[s
     rewards, _ = episode_rewards(rollouts)
     batch = collate(rollouts, pad_id=pad_id)
     stats = source.episodes.metrics(rollouts)
-    extra = {k: stats[f"episode/{k}_mean"] for k in ("turns", "tool_calls", "tool_errors") if f"episode/{k}_mean" in stats}
+    extra = {k: stats[f"episode/{k}_mean"] for k in ("turns", "tool_calls", "tool_errors")
+             if f"episode/{k}_mean" in stats}  # (multi-turn environments report them)
     return {"pass@1": float((rewards >= 1.0 - 1e-6).float().mean()), "reward_mean": float(rewards.mean()),
             "n": len(examples) * params.n, "temperature": params.temperature,
             "response_length": float(batch.response_lengths.float().mean()), **extra}
@@ -77,3 +78,6 @@ def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:
         return {"source": origin, "task": cfg.task.name, **evaluate(source, list(task.eval), params, pad_id=pad)}
     finally:
         source.close()
+
+
+__all__ = ["decode_responses", "engine_prompts", "evaluate", "evaluate_checkpoint", "load_checkpoint_weights"]

@@ -179,9 +179,9 @@ class Trainer:
             announce(env_line)
         # the engine (or the rollout workers) holding the current weights as version step_idx; with
         # rollout.engine_lag a resumed run's lag restarts from the resumed weights
-        self.source = build_source(cfg, self.episodes, draw=self._draw, weights=self._engine_state(), version=self.step_idx,
-                                   position=self.sampler.position, device=self.device, rank=self.dist.rank,
-                                   announce=announce)
+        self.source = build_source(cfg, self.episodes, draw=self._draw, weights=self._engine_state(),
+                                   version=self.step_idx, position=self.sampler.position, device=self.device,
+                                   rank=self.dist.rank, announce=announce)
 
     @property
     def engine(self):

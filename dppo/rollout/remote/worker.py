@@ -1,8 +1,9 @@
 """A rollout worker: one engine in its own process (or Ray actor), with versioned weights.
 
 The trainer sends `Request`s (examples + sampling parameters of one share of a step's batch, and the run's
-environment); the worker collects their episodes and answers each with a `Result` holding the (unscored) rollouts, every one stamped with the **published weight version** it
-was sampled under (`Rollout.weight_version`: the number of optimiser steps behind those weights). Between two
+environment); the worker collects their episodes and answers each with a `Result` holding the rollouts (scored by
+the trainer's source when they arrive), every one stamped with the **published weight version** it was sampled
+under (`Rollout.weight_version`: the number of optimiser steps behind those weights). Between two
 requests the worker loads the newest published weights, so a request submitted when version v was published is
 sampled with version >= v: that is what bounds the staleness (dppo.train.async_rollouts).
 
