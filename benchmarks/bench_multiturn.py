@@ -127,9 +127,9 @@ def run_token_in_token_out(collector, engine, examples, params) -> dict:
     t0 = time.perf_counter()
     rollouts = collector(timed, examples, params)
     wall = time.perf_counter() - t0
-    assert all(r.finish_reason == "eos" and r.episode["error"] is None for r in rollouts), "an episode did not end"
+    assert all(r.finish_reason == "eos" and r.episode.error is None for r in rollouts), "an episode did not end"
     return {"wall_s": wall, "engine_s": timed.seconds, "prefill_tokens": timed.prefill_tokens, "calls": timed.calls,
-            "episodes": len(rollouts), "turns": [int(r.episode["turns"]) for r in rollouts],
+            "episodes": len(rollouts), "turns": [int(r.episode.turns) for r in rollouts],
             "generated_tokens": sum(int(r.loss_mask.sum()) for r in rollouts),
             "response_tokens": sum(int(r.response_ids.numel()) for r in rollouts),
             "trained_tokens": sum(int(r.loss_mask.sum()) for r in rollouts),
@@ -248,7 +248,7 @@ def compare_sources(spec, espec, weights, examples, params, steps: int, threads:
     from dppo.rollout.source import Draw, EngineSource
     from dppo.rollout.spec import build_engine
 
-    draw = lambda step: Draw(list(examples), list(examples), dataclasses.replace(params, seed=params.seed + step),  # noqa: E731
+    draw = lambda step: Draw(list(examples), dataclasses.replace(params, seed=params.seed + step),  # noqa: E731
                              position=step + 1)
     out, episodes = {}, {}
     for mode in ("sync", "async"):
@@ -273,7 +273,7 @@ def compare_sources(spec, espec, weights, examples, params, steps: int, threads:
                 staleness.append(statistics.mean(step - r.weight_version for r in rollouts))
                 if step == 0:
                     episodes[mode] = [r.response_ids.tolist() for r in rollouts]
-                    turns = [int(r.episode["turns"]) for r in rollouts]
+                    turns = [int(r.episode.turns) for r in rollouts]
                     generated = sum(int(r.loss_mask.sum()) for r in rollouts)
         finally:
             source.close()
@@ -307,6 +307,7 @@ def main() -> None:
     args = ap.parse_args()
     from dppo.rollout.base import SamplingParams
     from dppo.rollout.episodes import EpisodeSpec
+    from dppo.train.config import EnvConfig
     from dppo.rollout.spec import EngineSpec, build_engine
     from dppo.runtime.hardware import cpu_name
     from dppo.runtime.models import ModelSpec
@@ -332,7 +333,8 @@ def main() -> None:
     turns_list = [int(t) for t in args.turns.split(",")]
     results = []
     for turns in turns_list:
-        spec = EpisodeSpec(ENV_PATH, {"turns": turns, "chars": args.env_chars}, max_turns=turns, max_tokens=1 << 20)
+        spec = EpisodeSpec(ENV_PATH, {"turns": turns, "chars": args.env_chars}, max_turns=turns, max_tokens=1 << 20,
+                           env_timeout_s=EnvConfig.timeout_s)
         t0 = time.perf_counter()
         row = {"turns": turns, **compare_designs(spec, engine, examples, params, args.repeats, args.retok_prefix_cache)}
         if not args.no_sources:

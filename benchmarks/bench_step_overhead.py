@@ -78,7 +78,8 @@ def main() -> None:
         row["B_same_again_s"] = timed(lambda: trainer._update(batch, adv, None))
         draw = trainer._draw(trainer.step_idx)
         t0 = time.perf_counter()
-        rollouts = stamp(trainer.engine.generate(draw.prompts, draw.params), trainer.step_idx)
+        collect = trainer.source.episodes.collector()
+        rollouts = stamp(collect(trainer.engine, draw.examples, draw.params), trainer.step_idx)
         row["gen_alone_s"] = time.perf_counter() - t0
         row["C_old_after_gen_s"] = timed(lambda: trainer._update(batch, adv, None))
         new = collate(rollouts, pad_id=trainer.pad_id).to(trainer.device)

@@ -123,9 +123,9 @@ def test_two_workers_share_the_batch_and_sample_differently(tmp_path):
         assert batch.prompt_index.tolist() == [i // G for i in range(P * G)]
         # one prompt to each worker, same call seed: the second share gets its own seed, so the same prompt is
         # answered differently (with one seed the hf engine would give both the same uniform stream)
-        prompt = trainer._draw(0).prompts[0]
+        example = trainer._draw(0).examples[0]
         params = trainer._sampling_params(0, n=1)
-        a, b = trainer.source.generate([prompt, prompt], params)
+        a, b = trainer.source.generate([example, example], params)
         assert (a.prompt_index, b.prompt_index) == (0, 1)
         assert not torch.equal(a.response_ids, b.response_ids) or not torch.equal(a.rollout_logp, b.rollout_logp)
         assert trainer.evaluate()["n"] > 0  # evaluation goes through the workers too
@@ -366,10 +366,10 @@ def test_a_local_worker_loads_a_version_published_mid_response(tmp_path):
     version.value = 1
     trainer = Trainer(_cfg(tmp_path / "t", mode="sync"), tmp_path / "t")  # for its prompts and sampling params
     try:
-        prompts, params = trainer._draw(0).prompts, trainer._sampling_params(0)
+        examples, params, episodes = trainer._draw(0).examples, trainer._sampling_params(0), trainer.episodes
     finally:
         trainer.close()
-    result = core.run(Request(1, 0, prompts, dataclasses.replace(params, max_new_tokens=20)))
+    result = core.run(Request(1, 0, examples, dataclasses.replace(params, max_new_tokens=20), episodes))
     assert result.error is None and result.version == 0 and result.load_s > 0
     batch = collate(result.rollouts, pad_id=core.engine.pad_id)
     versions, mask = batch.extras["token_version"], batch.response_mask

@@ -1,13 +1,16 @@
 """Multi-turn episodes (`dppo.rollout.episodes`) against obviously-correct references: the ids are the chat template's
 transcript, µ (and µ's top-K) on every generated token is the sampling distribution of the weights that sampled it,
 the trainer's π equals a plain forward over the whole sequence, environment tokens get exactly zero gradient and
-count in no denominator; the environment's failures are contained; every sampling mode runs the same episodes.
+count in no denominator; the environment's failures are contained; every sampling mode runs the same episodes; a single
+answer is a one-turn episode (`SingleTurnEnv`: one engine call and one reward call per batch).
 
 The test environments live in tests/data/scripted_env.py and are loaded by file path, as a user's are.
 """
 
 from __future__ import annotations
 
+import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +20,12 @@ from dppo.envs import ENVIRONMENTS, make_environment
 from dppo.example import Example
 from dppo.losses import LOSSES
 from dppo.rollout.base import SamplingParams
-from dppo.rollout.episodes import ChatDelta, EpisodeCollector, EpisodeSpec
+from dppo.rewards.runner import NonFiniteRewardError, RewardRunner
+from dppo.rollout.episodes import (ChatDelta, EpisodeCollector, EpisodeSpec, SingleTurnEnv, engine_prompts,
+                                   episode_rewards)
 from dppo.rollout.hf import HFEngine
 from dppo.train.batch import collate
+from dppo.train.config import EnvConfig
 from dppo.train.scoring import score_responses, score_responses_reference
 
 ENVS = Path(__file__).parent / "data" / "scripted_env.py"
@@ -27,6 +33,8 @@ SCRIPTED = f"{ENVS}:Scripted"
 EXAMPLES = [Example(prompt=({"role": "user", "content": "2+3?"},), answer="5"),
             Example(prompt=({"role": "system", "content": "Be brief."}, {"role": "user", "content": "17*3?"}), answer="51")]
 K = 4
+TIMEOUT_S = EnvConfig.timeout_s  # (the limits' defaults live in the run config)
+THREE_TURNS = EpisodeSpec(SCRIPTED, {"turns": 3}, max_turns=3, max_tokens=200, env_timeout_s=TIMEOUT_S)
 
 
 def params(**kw) -> SamplingParams:
@@ -42,7 +50,7 @@ def model(tiny_model, with_logit_bias):
 
 def _episodes(model, tokenizer):
     engine = HFEngine(model, tokenizer)
-    return EpisodeCollector(EpisodeSpec(SCRIPTED, {"turns": 3}, max_turns=3, max_tokens=200))(engine, EXAMPLES, params())
+    return EpisodeCollector(THREE_TURNS)(engine, EXAMPLES, params())
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +72,9 @@ def test_ids_are_the_chat_templates_transcript_and_only_sampled_tokens_are_train
     assert len(episodes) == 4 and [r.prompt_index for r in episodes] == [0, 0, 1, 1]
     cut = 0
     for r in episodes:
-        messages = r.episode["messages"]
+        messages = r.episode.messages
         assert [m["role"] for m in messages][-5:] == ["assistant", "tool", "assistant", "tool", "assistant"]
-        assert r.episode["turns"] == 3 and r.finish_reason == "eos" and r.reward is not None
+        assert r.episode.turns == 3 and r.finish_reason == "eos" and r.reward is not None
         rendered = tokenizer.apply_chat_template(messages, tokenize=False)
         ids = torch.cat([r.prompt_ids, r.response_ids]).tolist()
         # up to the final end of turn: the boundary (and the stop token, when the last turn was cut) ends no turn
@@ -75,8 +83,8 @@ def test_ids_are_the_chat_templates_transcript_and_only_sampled_tokens_are_train
         # environment tokens: exactly the template's tool turns (and an end-of-turn the engine did not sample)
         env = r.response_ids[~r.loss_mask].tolist()
         assert tokenizer.decode(env).replace("<|im_end|>", "").count("<|im_start|>tool\nresult") == 2
-        cut += r.episode["turns_truncated"]
-        assert r.episode["env_tokens"] == float((~r.loss_mask).sum())
+        cut += r.episode.turns_truncated
+        assert r.episode.env_tokens == float((~r.loss_mask).sum())
         assert torch.equal(r.rollout_logp[~r.loss_mask], torch.zeros(int((~r.loss_mask).sum())))
         assert not r.rollout_topk_valid[~r.loss_mask].any()
         assert r.rollout_topk_valid[r.loss_mask][:, :K].all()
@@ -86,13 +94,13 @@ def test_ids_are_the_chat_templates_transcript_and_only_sampled_tokens_are_train
 
 def test_a_turn_ended_by_another_stop_token_still_gets_the_templates_end_of_turn(model, tokenizer):
     stops = tuple(tokenizer.convert_tokens_to_ids(list("0123456789aeiou")))
-    rollouts = EpisodeCollector(EpisodeSpec(SCRIPTED, {"turns": 3}, max_turns=3, max_tokens=200))(
+    rollouts = EpisodeCollector(THREE_TURNS)(
         HFEngine(model, tokenizer), EXAMPLES, params(stop_token_ids=(1,) + stops, max_new_tokens=12))
     other = 0
     for r in rollouts:
         ids = torch.cat([r.prompt_ids, r.response_ids]).tolist()
         tail = "\n" if ids[-1] == tokenizer.eos_token_id else "<|im_end|>\n"
-        assert tokenizer.decode(ids) + tail == tokenizer.apply_chat_template(r.episode["messages"], tokenize=False)
+        assert tokenizer.decode(ids) + tail == tokenizer.apply_chat_template(r.episode.messages, tokenize=False)
         other += sum(int(t) in stops for t in r.response_ids[r.loss_mask])
     assert other > 0  # some turns really ended on a stop id that is not the EOS
 
@@ -146,7 +154,7 @@ def test_vllm_records_mu_on_generated_tokens_from_token_ids(tmp_path, tokenizer,
     model = make_tiny_model(seed=0, num_heads=2, num_kv_heads=1)  # (vLLM's CPU attention: head size >= 32)
     path = save_model(model, tokenizer, tmp_path / "m")
     with VLLMEngine(path, tokenizer, seed=0, max_logprobs=20, kv_cache_gb=0.25) as engine:
-        rollouts = EpisodeCollector(EpisodeSpec(SCRIPTED, {"turns": 3}, max_turns=3, max_tokens=200))(
+        rollouts = EpisodeCollector(THREE_TURNS)(
             engine, EXAMPLES[:1], params())
     batch = collate(rollouts, pad_id=0)
     ref = score_responses_reference(model, batch.prompt_ids, batch.response_ids, batch.response_mask,
@@ -159,16 +167,82 @@ def test_vllm_records_mu_on_generated_tokens_from_token_ids(tmp_path, tokenizer,
     assert not batch.rollout_topk_valid[~gen].any()
 
 
+# --- a single answer: a one-turn episode -----------------------------------------------------------------------
+
+
+class _CountingRunner(RewardRunner):
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self.calls: list[int] = []
+
+    def __call__(self, completions, examples):
+        self.calls.append(len(completions))
+        return super().__call__(completions, examples)
+
+
+def test_a_single_answer_is_a_one_turn_episode_one_engine_call_and_one_reward_call(model, tokenizer):
+    """SingleTurnEnv samples the whole batch in ONE `generate` (params.n per prompt, the engine's own prompts:
+    chat messages as they are, raw text as ids) and scores it in ONE reward-runner call; each rollout's record holds
+    its decoded answer and its reward's failure or timeout."""
+    examples = [*EXAMPLES, Example(prompt="raw 1+1=", answer="hang")]
+
+    def reward(completion, example):
+        if example.answer == "51":
+            raise RuntimeError("the reward broke")
+        if example.answer == "hang":
+            time.sleep(2.0)
+        return 1.0 + len(completion)
+
+    engine = HFEngine(model, tokenizer)
+    calls, generate = [], engine.generate
+    engine.generate = lambda prompts, p: calls.append((prompts, p)) or generate(prompts, p)
+    env = SingleTurnEnv(6, reward=_CountingRunner(reward, isolation="thread", timeout_s=0.5))
+    rollouts = env.collector()(engine, examples, params())
+    assert env.max_turns == 1 and env.max_tokens == 6
+    assert calls == [(engine_prompts(examples, tokenizer), params())]
+    assert isinstance(calls[0][0][2][0], int)  # (raw text: token ids, no template)
+    direct = generate(engine_prompts(examples, tokenizer), params())  # the same call, bitwise
+    assert all(torch.equal(a.response_ids, b.response_ids) and torch.equal(a.rollout_logp, b.rollout_logp)
+               for a, b in zip(rollouts, direct))
+    assert all(r.reward is None for r in rollouts)  # collected, not yet scored
+    env.score(examples, rollouts)
+    assert env.reward.calls == [6]
+    for r in rollouts:
+        text = tokenizer.decode(r.response_ids.tolist(), skip_special_tokens=True)
+        answer = examples[r.prompt_index].answer
+        assert r.episode.completion == text and r.episode.turns == 1.0 and r.episode.messages == []
+        assert r.loss_mask is None and r.turn_index is None  # every token sampled, one turn: no per-turn metrics
+        assert r.reward == {"5": 1.0 + len(text), "51": 0.0, "hang": 0.0}[answer]
+        assert (r.episode.env_errors, r.episode.env_timeouts) == {"5": (0, 0), "51": (1, 0), "hang": (0, 1)}[answer]
+    rewards, stats = episode_rewards(rollouts)
+    assert rewards.tolist() == [r.reward for r in rollouts] and stats == {"failures": 2, "timeouts": 2}
+    assert env.metrics(rollouts) == {} and env.check(examples[0]) is None  # no episode/* keys for single answers
+
+
+def test_a_single_turn_env_travels_without_its_reward_and_a_nan_reward_is_refused(model, tokenizer):
+    env = SingleTurnEnv(4, reward=RewardRunner(lambda c, e: float("nan"), isolation="none"))
+    copy = pickle.loads(pickle.dumps(env))
+    assert copy.reward is None and copy.max_tokens == 4 and repr(copy) == repr(env) == "SingleTurnEnv(max_tokens=4)"
+    rollouts = copy.collector()(HFEngine(model, tokenizer), EXAMPLES[:1], params(n=1))
+    with pytest.raises(RuntimeError, match="no reward runner"):
+        copy.score(EXAMPLES[:1], rollouts)
+    with pytest.raises(NonFiniteRewardError):
+        env.score(EXAMPLES[:1], rollouts)
+    with pytest.raises(ValueError, match="not scored"):
+        episode_rewards(rollouts)
+
+
 # --- budgets and failures --------------------------------------------------------------------------------------
 
 
 def _run(model, tokenizer, env: str, **spec):
+    spec.setdefault("env_timeout_s", TIMEOUT_S)
     return EpisodeCollector(EpisodeSpec(env, **spec))(HFEngine(model, tokenizer), EXAMPLES[:1], params(n=1))
 
 
 def test_an_episode_over_its_budgets_is_truncated_not_an_error(model, tokenizer):
     short = _run(model, tokenizer, SCRIPTED, options={"turns": 9}, max_turns=2, max_tokens=200)[0]
-    assert short.episode["turns"] == 2 and short.finish_reason == "length" and short.episode["truncated"] == 1.0
+    assert short.episode.turns == 2 and short.finish_reason == "length" and short.episode.truncated == 1.0
     tight = _run(model, tokenizer, SCRIPTED, options={"turns": 9}, max_turns=9, max_tokens=20)[0]
     assert tight.response_ids.numel() <= 20 and tight.finish_reason == "length"
     assert tight.loss_mask[-1]  # an episode ends on a generated token, never on an environment answer
@@ -182,8 +256,8 @@ def test_an_episode_over_its_budgets_is_truncated_not_an_error(model, tokenizer)
 def test_an_environment_that_raises_hangs_or_returns_garbage_is_contained_and_named(model, tokenizer, env, counter,
                                                                                       message):
     r = _run(model, tokenizer, f"{ENVS}:{env}", max_turns=3, max_tokens=100, env_timeout_s=0.5)[0]
-    assert r.episode[counter] == 1.0 and r.episode["turns"] == 1 and r.reward == 0.0
-    assert message in r.episode["error"] and f"{ENVS}:{env}" in r.episode["error"]
+    assert getattr(r.episode, counter) == 1.0 and r.episode.turns == 1 and r.reward == 0.0
+    assert message in r.episode.error and f"{ENVS}:{env}" in r.episode.error
 
 
 def test_bad_environment_settings_fail_before_any_model_loads(tmp_path, monkeypatch):
@@ -356,7 +430,7 @@ def test_the_hf_engines_prefix_cache_prefills_only_new_tokens_and_changes_nothin
     for mode in ("on", "off"):
         engine = HFEngine(tiny_model, tokenizer)
         if mode == "off":
-            engine.enable_prefix_cache = None  # (the collector then leaves the cache off)
+            engine.enable_prefix_cache = lambda max_tokens: None  # (an engine without the cache: a no-op)
         forward = engine.model.forward
 
         def counting(*a, input_ids=None, mode=mode, **k):
@@ -364,8 +438,8 @@ def test_the_hf_engines_prefix_cache_prefills_only_new_tokens_and_changes_nothin
             return forward(*a, input_ids=input_ids, **k)
 
         monkeypatch.setattr(engine.model, "forward", counting)
-        runs[mode] = EpisodeCollector(EpisodeSpec(SCRIPTED, {"turns": 4}, max_turns=4, max_tokens=300))(
-            engine, EXAMPLES, params(max_new_tokens=8))
+        spec = EpisodeSpec(SCRIPTED, {"turns": 4}, max_turns=4, max_tokens=300, env_timeout_s=TIMEOUT_S)
+        runs[mode] = EpisodeCollector(spec)(engine, EXAMPLES, params(max_new_tokens=8))
         assert engine._prefix is None  # off again after the episodes
     for a, b in zip(runs["on"], runs["off"]):
         assert torch.equal(a.response_ids, b.response_ids)

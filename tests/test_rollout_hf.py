@@ -374,3 +374,36 @@ def test_smollm2_chat_generation_and_fp32_parity():
         picked = logp.gather(-1, r.response_ids[:, None])[:, 0]
         assert (picked - r.rollout_logp).abs().max() <= 1e-4
         assert (logp.gather(-1, r.rollout_topk_ids[:, :20]) - r.rollout_topk_logp[:, :20]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_every_engine_declares_the_protocols_optional_capabilities(name):
+    """Callers never probe an engine for a method: every registered engine defines all of the protocol's
+    (`enable_prefix_cache` a no-op where there is no such cache) and `between_chunks` (None = no in-flight updates)."""
+    from dppo.rollout import engine_class
+    from dppo.rollout.base import ENGINE_METHODS, missing_engine_methods
+
+    if name == "vllm":
+        pytest.importorskip("vllm")
+    cls = engine_class(name)
+    assert missing_engine_methods(cls) == [] and set(ENGINE_METHODS) >= {"generate", "load_weights", "close"}
+    assert missing_engine_methods(object) == list(ENGINE_METHODS)  # (the check can fail)
+    if name == "vllm":
+        assert cls.between_chunks is None
+
+
+def test_the_fp8_wrapper_passes_the_capabilities_to_the_engine_it_wraps(tiny_model, tokenizer):
+    from dppo.rollout.base import missing_engine_methods
+    from dppo.rollout.quantize import QuantizedEngine
+
+    inner = HFEngine(tiny_model, tokenizer)
+    engine = QuantizedEngine(inner)
+    assert missing_engine_methods(QuantizedEngine) == [] and isinstance(engine, Engine)
+    assert engine.between_chunks is None and engine.tokenizer is tokenizer
+    poll = lambda: False  # noqa: E731
+    engine.between_chunks = poll  # (an async worker's in-flight updates must reach the engine that decodes)
+    assert inner.between_chunks is poll
+    engine.enable_prefix_cache(64)
+    assert inner._prefix is not None
+    engine.enable_prefix_cache(0)
+    assert inner._prefix is None

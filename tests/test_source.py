@@ -1,7 +1,8 @@
-"""dppo.rollout.source: every source stamps the published version that sampled each rollout, and `take` checks the
-staleness bound in one place. The engine here is a stand-in that records what it was given (the source is under
-test, not the engine); the real engines go through the same source in tests/test_trainer.py, test_fp8_lag.py and
-test_async.py."""
+"""dppo.rollout.source: every source stamps the published version that sampled each rollout, `take` checks the
+staleness bound in one place, and what `take` and `generate` return is scored by the run's environment. The engine
+and the environment here are stand-ins that record what they were given (the source is under test, not the engine
+nor the episodes); the real engines and environments go through the same source in tests/test_trainer.py,
+test_fp8_lag.py, test_episodes.py and test_async.py."""
 
 from __future__ import annotations
 
@@ -31,8 +32,29 @@ class _Engine:
         pass
 
 
+class _Episodes:
+    """One response per sample from the engine's `generate`; scored in the source's process with reward = the
+    response's token (so a test sees that `score` ran on what the collector returned)."""
+
+    max_turns, max_tokens = 1, 1
+
+    def __init__(self) -> None:
+        self.scored: list[list] = []
+
+    def collector(self):
+        return lambda engine, examples, params: engine.generate(examples, params)
+
+    def score(self, examples, rollouts) -> None:
+        self.scored.append(list(examples))
+        for r in rollouts:
+            r.reward = float(r.response_ids[0])
+
+    def metrics(self, rollouts) -> dict:
+        return {}
+
+
 def _draw(step: int) -> Draw:
-    return Draw([f"example {step}"], [[1, 2]], SamplingParams(n=2, max_new_tokens=1), position=10 * (step + 1))
+    return Draw([f"example {step}"], SamplingParams(n=2, max_new_tokens=1), position=10 * (step + 1))
 
 
 def _weights(version: int) -> dict:
@@ -41,8 +63,8 @@ def _weights(version: int) -> dict:
 
 @pytest.mark.parametrize("lag", [0, 1, 3])
 def test_the_engine_gets_version_v_once_v_plus_lag_is_published_and_every_rollout_names_it(lag):
-    engine = _Engine()
-    source = EngineSource(engine, _draw, weights=_weights(0), version=0, start_position=0, lag=lag)
+    engine, episodes = _Engine(), _Episodes()
+    source = EngineSource(engine, _draw, weights=_weights(0), version=0, start_position=0, lag=lag, episodes=episodes)
     assert source.max_staleness == lag
     for step in range(8):
         examples, rollouts = source.take(step)
@@ -51,14 +73,17 @@ def test_the_engine_gets_version_v_once_v_plus_lag_is_published_and_every_rollou
         assert {r.weight_version for r in rollouts} == {held}  # stamped with the published version ...
         assert all(int(r.response_ids[0]) == held for r in rollouts)  # ... which is the one that sampled it
         assert all(r.token_versions.tolist() == [held] for r in rollouts)
+        assert episodes.scored[-1] == examples and [r.reward for r in rollouts] == [float(held)] * 2  # scored
         source.publish(step + 1, _weights(step + 1))
     assert engine.loaded == [float(v) for v in range(0, 8 - lag + 1)]
-    assert source.generate([[1]], SamplingParams())[0].weight_version == 8 - lag  # evaluation: the same weights
+    [r] = source.generate(["held out"], SamplingParams())
+    assert r.weight_version == 8 - lag and r.reward == float(8 - lag)  # evaluation: the same weights, scored
+    assert episodes.scored[-1] == ["held out"]
 
 
 def test_a_lagged_source_keeps_copies_not_the_trainers_tensors():
     engine = _Engine()
-    source = EngineSource(engine, _draw, weights=_weights(0), version=0, start_position=0, lag=1)
+    source = EngineSource(engine, _draw, weights=_weights(0), version=0, start_position=0, lag=1, episodes=_Episodes())
     live = _weights(1)
     source.publish(1, live)
     live["w"].fill_(123.0)  # the trainer updates its weights in place
@@ -70,7 +95,7 @@ class _Stale(RolloutSource):
     """A source whose rollouts are sampled under fixed versions (a scheduling bug to be caught)."""
 
     def __init__(self, versions, bound):
-        super().__init__(_draw, start_position=0)
+        super().__init__(_draw, start_position=0, episodes=_Episodes())
         self.versions, self.max_staleness = versions, bound
 
     def _take(self, step):

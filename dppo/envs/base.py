@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dppo.example import Example, Message
+from dppo.envs.tools import ToolResult, call_tool, format_tool_message, malformed_result, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,6 @@ class ToolEnv(Environment):
         raise NotImplementedError
 
     def step(self, reply: str) -> EnvStep:
-        from dppo.envs.tools import ToolResult, call_tool, format_tool_message, malformed_result, parse_tool_calls
-
         calls, malformed = parse_tool_calls(reply)
         if not calls and not malformed:
             return EnvStep(reward=float(self.score(reply)), done=True)

@@ -18,6 +18,8 @@ import json
 import re
 
 from dppo.envs.base import EnvStep, Environment, ToolEnv
+from dppo.envs.sandbox import Limits, describe_layer, run_python
+from dppo.envs.tools import ToolCall, calculate, call_tool
 from dppo.example import Example, Message
 from dppo.rewards.builtin import last_number_match
 
@@ -53,8 +55,6 @@ class CalculatorEnv(ToolEnv):
     tool_name = "calculate"
 
     def __init__(self, **options) -> None:
-        from dppo.envs.tools import calculate
-
         super().__init__(**options)
         self.tools = (calculate,)
 
@@ -70,8 +70,6 @@ class CalculatorEnv(ToolEnv):
         return {"expression": expression_of(example)}
 
     def demonstration(self, example: Example) -> list[Message]:
-        from dppo.envs.tools import call_tool, ToolCall
-
         tools = {fn.__name__: fn for fn in self.tools}
         result = call_tool(tools, ToolCall(self.tool_name, self._call(example)), max_chars=self.max_tool_chars)
         return [{"role": "assistant", "content": _tool_call(self.tool_name, self._call(example))},
@@ -85,8 +83,6 @@ class PythonEnv(CalculatorEnv):
     tool_name = "python"
 
     def __init__(self, *, wall_s: float = 5.0, memory_mb: int = 256, **options) -> None:
-        from dppo.envs.sandbox import Limits, run_python
-
         ToolEnv.__init__(self, **{"tool_timeout_s": wall_s + 5.0, **options})
         limits = Limits(wall_s=wall_s, cpu_s=wall_s, memory_mb=memory_mb)
 
@@ -107,8 +103,6 @@ class PythonEnv(CalculatorEnv):
     @staticmethod
     def start_line() -> str:
         """What the trainer prints at start: the sandbox layer in use and, for a weak one, what it does not isolate."""
-        from dppo.envs.sandbox import describe_layer
-
         return f"[dppo] python tool {describe_layer()}"
 
     def _call(self, example: Example) -> dict:

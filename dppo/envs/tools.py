@@ -21,13 +21,11 @@ import inspect
 import json
 import math
 import operator
-import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from queue import SimpleQueue
 from typing import Any
+
+from dppo.runtime.bounded import bounded_calls
 
 __all__ = ["ToolCall", "ToolResult", "calculate", "call_tool", "format_tool_message", "malformed_result",
            "parse_tool_calls", "render_messages_with_tools", "render_tools_prompt", "template_supports_tools",
@@ -171,38 +169,6 @@ class ToolResult:
     timed_out: bool = False
 
 
-class _DaemonPool:
-    """A small pool of daemon threads (a hung tool must not block interpreter exit, as ThreadPoolExecutor's
-    workers would). A submit starts a worker when the queued calls outnumber the free workers, up to `max_workers`."""
-
-    def __init__(self, max_workers: int = 8):
-        self.max_workers, self._queue, self._lock = max_workers, SimpleQueue(), threading.Lock()
-        self._free = self._pending = self._started = 0
-
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        future: Future = Future()
-        with self._lock:
-            self._pending += 1
-            if self._pending > self._free and self._started < self.max_workers:
-                self._started, self._free = self._started + 1, self._free + 1
-                threading.Thread(target=self._work, name=f"dppo-tool-{self._started}", daemon=True).start()
-        self._queue.put((future, fn))
-        return future
-
-    def _work(self) -> None:
-        while True:
-            future, fn = self._queue.get()
-            with self._lock:
-                self._pending, self._free = self._pending - 1, self._free - 1
-            if future.set_running_or_notify_cancel():
-                future.set_result(fn())  # fn catches everything itself
-            with self._lock:
-                self._free += 1
-
-
-_POOL = _DaemonPool()
-
-
 def _to_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, default=str) if isinstance(value, (dict, list)) else str(value)
 
@@ -223,8 +189,8 @@ def call_tool(tools: Mapping[str, Callable], call: ToolCall, *, max_chars: int |
               timeout_s: float | None = 10.0) -> ToolResult:
     """Run `call` against `tools` (name -> callable); never raises for anything the call or the tool does.
 
-    The tool runs in a daemon thread of a small shared pool; after `timeout_s` (None: wait forever) the result is
-    a timeout, and the hung thread is abandoned (it keeps its pool slot until it returns). The content is the
+    The tool runs in a daemon thread (`dppo.runtime.bounded.bounded_calls`); after `timeout_s` (None: wait
+    forever) the result is a timeout, and the hung thread is abandoned. The content is the
     return value as text (dicts and lists as JSON), cut to `max_chars` with a visible marker.
     """
     if not isinstance(call.name, str) or not isinstance(call.arguments, Mapping):
@@ -249,12 +215,10 @@ def call_tool(tools: Mapping[str, Callable], call: ToolCall, *, max_chars: int |
         except BaseException as e:  # noqa: BLE001 - a tool's failure is an answer, not a crash
             return f"Error: {type(e).__name__}: {e}", "raised"
 
-    future = _POOL.submit(run)
-    try:
-        content, error = future.result(timeout=timeout_s)
-    except FutureTimeout:
-        future.cancel()  # only helps while it is still queued
+    [outcome] = bounded_calls([run], timeout_s, name="dppo-tool")
+    if outcome.status == "timeout":
         return _result(f"Error: tool {call.name} timed out after {timeout_s:g}s", "timeout", max_chars, True)
+    content, error = outcome.value  # (run catches everything the tool raises)
     return _result(content, error, max_chars)
 
 

@@ -47,9 +47,9 @@ class RewardRunner:
     """Scores (completion, example) pairs: `runner(completions, examples) -> (rewards [B] float32, stats)`.
 
     stats = {"failures": int, "timeouts": int} for this call; `last_errors` keeps up to 8 messages of the
-    last call. Worker processes start on the first call (or `start()`) and are reused; `close()` (or leaving
-    a `with` block, garbage collection, interpreter exit) stops them, and a worker exits by itself within a
-    second when this process dies.
+    last call, `last_status` each item's outcome ("ok", "failure", "timeout"). Worker processes start on the
+    first call (or `start()`) and are reused; `close()` (or leaving a `with` block, garbage collection,
+    interpreter exit) stops them, and a worker exits by itself within a second when this process dies.
     """
 
     def __init__(
@@ -83,6 +83,7 @@ class RewardRunner:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         self.startup_timeout_s = startup_timeout_s
         self.last_errors: list[str] = []
+        self.last_status: list[str] = []
         self._strategy: Strategy = ISOLATION[self.isolation](
             self.fn, name=self.name, timeout_s=self.timeout_s, workers=self.workers,
             startup_timeout_s=self.startup_timeout_s,
@@ -97,7 +98,7 @@ class RewardRunner:
         except BaseException:  # e.g. Ctrl-C mid-call: results still in flight must not reach a later call
             self.close()
             raise
-        self.last_errors = out.errors
+        self.last_errors, self.last_status = out.errors, out.status
         self._check_finite(out.values, completions, examples)
         rewards = torch.tensor(out.values, dtype=torch.float32)
         return rewards, {"failures": out.failures, "timeouts": out.timeouts}

@@ -32,6 +32,8 @@ class Outcomes:
         self.failures = 0
         self.timeouts = 0
         self.errors: list[str] = []
+        self.status: list[str] = ["ok"] * len(examples)
+        """Per item: "ok", "failure" (raised, non-number, worker died) or "timeout"."""
 
     def _finish(self, index: int, value: float | None, message: str | None) -> None:
         if self.done[index]:
@@ -46,12 +48,14 @@ class Outcomes:
         """Item `index` returned `value`, or failed with `error` (raised, non-number, worker died): 0.0."""
         if error is not None and not self.done[index]:
             self.failures += 1
+            self.status[index] = "failure"
         self._finish(index, value if error is None else 0.0, error)
 
     def timeout(self, index: int) -> None:
         """Item `index` ran past the limit: 0.0."""
         if not self.done[index]:
             self.timeouts += 1
+            self.status[index] = "timeout"
         self._finish(index, 0.0, f"timed out after {self.timeout_s:g} s")
 
 

@@ -22,6 +22,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dppo.rewards import get_reward
+
 Payload = tuple[str, Any]
 """("spec", "module:fn" | "file.py:fn") or ("pickle", bytes)."""
 
@@ -29,8 +31,6 @@ Payload = tuple[str, Any]
 def load_reward(payload: Payload):
     kind, value = payload
     if kind == "spec":
-        from dppo.rewards import get_reward
-
         return get_reward(value)
     return pickle.loads(value)
 

@@ -17,8 +17,9 @@ after the first get their own sampling seed. Prompts are drawn when a batch is s
 is the prompt sampler's position after the last *trained* batch, which a checkpoint stores, so a resumed run
 draws the in-flight batches again (they are dropped, not trained twice or skipped).
 
-`generate(prompts, params)` (evaluation) is split over the workers like a batch and waits for its own results,
-filing any training results that arrive meanwhile.
+`generate(examples, params)` (evaluation) is split over the workers like a batch and waits for its own results,
+filing any training results that arrive meanwhile. The workers collect the run's episodes (the environment
+travels with each request); the results are scored here, in the trainer's process (`RolloutSource.take`).
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ class AsyncSource(RolloutSource):
     """Steps in flight against a worker `Pool` that holds version `start_step` (see the module docstring)."""
 
     def __init__(self, pool: Pool, draw: Callable[[int], Draw], *, max_staleness: int, start_step: int,
-                 start_position: int, episodes=None) -> None:
-        super().__init__(draw, start_position=start_position)
-        self.pool, self.max_staleness, self.episodes = pool, max_staleness, episodes
+                 start_position: int, episodes) -> None:
+        super().__init__(draw, start_position=start_position, episodes=episodes)
+        self.pool, self.max_staleness = pool, max_staleness
         self.weight_version = start_step
         self._next_step = start_step
         self._pending: dict[int, _Pending] = {}
@@ -79,7 +80,7 @@ class AsyncSource(RolloutSource):
         while self._next_step <= self.weight_version + self.max_staleness:
             d = self.draw(self._next_step)
             pending = _Pending(self._next_step, d.examples, d.position)
-            self._submit(pending, d.prompts, d.params)
+            self._submit(pending, d.examples, d.params)
             self._pending[self._next_step] = pending
             self._next_step += 1
         pending = self._pending.pop(step)
@@ -105,9 +106,9 @@ class AsyncSource(RolloutSource):
         return out
 
     # ------------------------------------------------------------------ evaluation
-    def generate(self, prompts: Sequence, params: SamplingParams) -> list[Rollout]:
+    def _generate(self, examples: Sequence, params: SamplingParams) -> list[Rollout]:
         pending = _Pending(-1, [], -1)
-        self._submit(pending, prompts, params)
+        self._submit(pending, examples, params)
         self._wait(pending)
         return pending.rollouts()
 
@@ -115,9 +116,9 @@ class AsyncSource(RolloutSource):
         self.pool.close()
 
     # ------------------------------------------------------------------ internals
-    def _submit(self, pending: _Pending, prompts: Sequence, params: SamplingParams) -> None:
-        W = min(len(self.pool.devices), len(prompts))
-        bounds = [len(prompts) * i // W for i in range(W + 1)]
+    def _submit(self, pending: _Pending, examples: Sequence, params: SamplingParams) -> None:
+        W = min(len(self.pool.devices), len(examples))
+        bounds = [len(examples) * i // W for i in range(W + 1)]
         for part in range(W):
             lo, hi = bounds[part], bounds[part + 1]
             share = params if part == 0 or params.seed is None else dataclasses.replace(
@@ -125,7 +126,7 @@ class AsyncSource(RolloutSource):
             self._ids += 1
             pending.shares[self._ids] = (lo, None)
             self._owner[self._ids] = pending
-            self.pool.submit(part, Request(self._ids, pending.step, list(prompts[lo:hi]), share, self.episodes))
+            self.pool.submit(part, Request(self._ids, pending.step, list(examples[lo:hi]), share, self.episodes))
 
     def _wait(self, pending: _Pending) -> None:
         while not pending.complete:

@@ -9,8 +9,8 @@ trust-region anchor and the top-K cells for the Top-K divergences (Eqs. 15-16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Mapping, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ FinishReason = Literal["eos", "length", "stop"]
 EnginePrompt = Sequence[int] | Sequence[dict]
 """What an engine samples from: token ids (used as they are) or chat messages ([{"role": ..., "content": ...}, ...],
 rendered by the engine's chat template with the generation prompt). A task's `dppo.example.Prompt` (text or
-messages) becomes one through `dppo.train.evaluation.engine_prompts`."""
+messages) becomes one through `dppo.rollout.episodes.engine_prompts`."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,39 @@ class SamplingParams:
 
 
 @dataclass
+class Episode:
+    """What a rollout's episode recorded besides its tokens: its counters, its transcript, its contained error.
+
+    Every rollout the sources return is an episode: a single answer is a one-turn episode
+    (`dppo.rollout.episodes.SingleTurnEnv`), whose counters stay 0 except `env_errors` / `env_timeouts` (its
+    reward raised or timed out); a multi-turn episode (`EpisodeSpec`) fills all of them."""
+
+    completion: str = ""
+    """The text the samples file shows: the decoded response (single-turn), or the whole transcript with the
+    environment's messages marked `[env]` and a contained error appended (multi-turn)."""
+    messages: list[dict] = field(default_factory=list)
+    """The transcript as chat messages (multi-turn; empty for a single answer)."""
+    error: str | None = None
+    """The environment's contained error, if the episode ended on one."""
+    turns: float = 1.0
+    """Assistant turns."""
+    turns_truncated: float = 0.0
+    """Turns cut by their max_new_tokens."""
+    tool_calls: float = 0.0
+    tool_errors: float = 0.0
+    tool_timeouts: float = 0.0
+    tool_truncated: float = 0.0
+    env_errors: float = 0.0
+    """1 when the environment (or a single answer's reward) raised: counted as a reward failure of the step."""
+    env_timeouts: float = 0.0
+    """1 when the environment (or a single answer's reward) ran past its limit: a reward timeout of the step."""
+    truncated: float = 0.0
+    """1 when the episode ran out of turns or tokens."""
+    env_tokens: float = 0.0
+    """Response tokens the environment wrote (loss mask 0)."""
+
+
+@dataclass
 class Rollout:
     """One sampled response. T = number of response tokens (including a final EOS/stop token)."""
 
@@ -94,10 +127,10 @@ class Rollout:
     turn_index: Tensor | None = None
     """[T] int64: the assistant turn each token belongs to (episodes; None for single-turn responses)."""
     reward: float | None = None
-    """The episode's reward from its environment (None: the task's reward function scores the response)."""
-    episode: dict | None = None
-    """An episode's counters (turns, tool_calls, tool_errors, tool_timeouts, env_errors, env_timeouts, truncated,
-    env_tokens), its `error` (or None) and its `messages` (the transcript)."""
+    """The episode's reward (set by its environment; every rollout a `RolloutSource` returns has one; an engine's
+    raw `generate` leaves None)."""
+    episode: Episode = field(default_factory=Episode)
+    """The episode's record (its counters, transcript and contained error)."""
 
 
 def topk_cells(tokens: Tensor, logp: Tensor, top_ids: Tensor, top_logp: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -161,14 +194,27 @@ def prompt_token_ids(
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the trainer needs from an inference engine."""
+    """What the trainer needs from an inference engine, optional capabilities included: an engine without one
+    declares it in the neutral form (`between_chunks = None`, `enable_prefix_cache` a no-op), so no caller probes
+    for a method."""
 
     max_logprobs: int
     """Largest K the engine can return (top_k_logprobs above it is refused before generation)."""
     weight_version: int
+    tokenizer: Any
+    """The tokenizer of the engine's model (chat templates, decoding; episodes tokenise through it)."""
+    between_chunks: Callable[[], bool] | None
+    """In-flight weight updates: called between decode chunks (and between an episode's turns) to load newer
+    weights, returning True when it did (an async rollout worker sets it; None = off, and engines that cannot
+    take weights mid-call leave it None)."""
 
     def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
         """Sample params.n responses per prompt; returns len(prompts) * n rollouts, prompt-major."""
+        ...
+
+    def enable_prefix_cache(self, max_tokens: int) -> None:
+        """Keep the KV of generated sequences (up to `max_tokens` positions; 0 = off) so a later prompt that extends
+        one prefills only its new tokens (episodes' later turns). A no-op for an engine without such a cache."""
         ...
 
     def load_weights(self, weights) -> None:
@@ -178,3 +224,13 @@ class Engine(Protocol):
     def close(self) -> None:
         """Free the engine's resources."""
         ...
+
+
+ENGINE_METHODS = ("generate", "enable_prefix_cache", "load_weights", "close")
+"""The methods of the `Engine` protocol."""
+
+
+def missing_engine_methods(cls: type) -> list[str]:
+    """The `Engine` protocol's methods that engine class `cls` does not define (the one conformance check of a
+    registered engine; callers never probe an engine for a method)."""
+    return [name for name in ENGINE_METHODS if not callable(getattr(cls, name, None))]

@@ -1,9 +1,23 @@
-"""Multi-turn episodes, token in, token out: an environment's turns around an engine, as one trainable `Rollout`.
+"""Episodes, token in, token out: an environment's turns around an engine, each episode one scored `Rollout`.
 
-    collect = EpisodeCollector(EpisodeSpec("calculator", max_turns=4, max_tokens=384))
-    rollouts = collect(engine, examples, params)       # params.n episodes per example, prompt-major
+Every rollout a `RolloutSource` returns is an episode of the run's environment (`Episodes`, picklable: rollout
+workers receive it), collected by `env.collector()` wherever the engine is and scored by `env.score` in the
+trainer's process:
 
-Layout of one episode (one `Rollout`; P = the first prompt's ids, rendered once by the chat template):
+- `SingleTurnEnv(max_tokens, reward=runner)`: a single answer as a one-turn episode — the task's prompt, one
+  reply, the task's reward. The whole batch is ONE engine call (params.n answers per prompt) and ONE reward-runner call.
+- `EpisodeSpec(env, options, max_turns=..., max_tokens=..., env_timeout_s=...)`: multi-turn episodes of an
+  `dppo.envs` environment, scored by the environment turn by turn while they run (`EpisodeCollector`).
+
+    rollouts = env.collector()(engine, examples, params)    # params.n episodes per example, prompt-major
+    env.score(examples, rollouts)                            # every rollout's `reward` and `episode` record set
+    rewards, stats = episode_rewards(rollouts)               # what the trainer and the evaluation read
+    env.metrics(rollouts)                                    # the step's episode/* metrics ({} for single-turn)
+
+The limits' defaults (turns, tokens, timeout) live in one place, the run config's `EnvConfig`.
+
+**Multi-turn episodes.** Layout of one episode (one `Rollout`; P = the first prompt's ids, rendered once by the
+chat template):
 
     prompt_ids    | P = <|im_start|>system ... <|im_start|>user ... <|im_start|>assistant\\n
     response_ids  | g1 ... <|im_end|> | \\n <|im_start|>tool\\n ... <|im_end|>\\n<|im_start|>assistant\\n | g2 ... <|im_end|>
@@ -32,6 +46,7 @@ Layout of one episode (one `Rollout`; P = the first prompt's ids, rendered once 
   transcript stays well-formed and no token the policy did not sample is ever trained.
 - An environment that raises, hangs (`env_timeout_s`) or returns a malformed step is contained: the episode ends
   with the rewards earned so far and the error is counted under the environment's name (`Rollout.episode`).
+  Resets and steps run through `dppo.runtime.bounded.bounded_calls`.
 - Versions: each token records the weight version that sampled it; an episode's `weight_version` is its
   **oldest** generated token's, so its staleness is that of its stalest token. With in-flight updates (an async
   worker's `engine.between_chunks`), newer weights are also taken between turns, so an episode may span versions.
@@ -40,14 +55,17 @@ Layout of one episode (one `Rollout`; P = the first prompt's ids, rendered once 
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
+from torch import Tensor
 
-from dppo.rollout.base import Rollout, SamplingParams
+from dppo.envs import make_environment
+from dppo.envs.base import check_messages, check_step
+from dppo.envs.tools import render_messages_with_tools, template_supports_tools, tool_schema
+from dppo.rollout.base import EnginePrompt, Episode, Rollout, SamplingParams
+from dppo.runtime.bounded import bounded_calls
 
 _TURN_SEED_MULT = 0x5851F42D4C957F2D
 
@@ -61,41 +79,151 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
 _BASE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
 
 
+class Episodes(Protocol):
+    """The run's environment as the sources see it (picklable; see the module docstring)."""
+
+    max_turns: int
+    """Assistant turns per episode (1 for a single answer)."""
+    max_tokens: int
+    """Response tokens of a whole episode (the longest response the trainer sees)."""
+
+    def collector(self) -> Callable[[Any, Sequence, SamplingParams], list[Rollout]]:
+        """`collect(engine, examples, params)`: params.n episodes per example, prompt-major."""
+        ...
+
+    def score(self, examples: Sequence, rollouts: list[Rollout]) -> None:
+        """Set every rollout's reward (and its record's reward failures) in the trainer's process."""
+        ...
+
+    def check(self, example) -> str | None:
+        """Before any model loads: the environment answers `example` (TypeError / ValueError / KeyError otherwise);
+        returns its start-up line (e.g. the python tool's sandbox layer), if it has one."""
+        ...
+
+    def metrics(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
+        """The step's episode metrics."""
+        ...
+
+
+def engine_prompts(examples, tokenizer) -> list[EnginePrompt]:
+    """What the engine takes for a single answer: chat messages as they are, raw-text prompts as token ids (no
+    template)."""
+    return [list(tokenizer.encode(ex.prompt, add_special_tokens=False)) if isinstance(ex.prompt, str)
+            else list(ex.prompt) for ex in examples]
+
+
+@dataclass
+class SingleTurnEnv:
+    """A single answer as a one-turn episode: the task's prompt (`engine_prompts`), one reply of up to `max_tokens`
+    tokens, scored by the task's reward. The batch is one `engine.generate` call (params.n answers per prompt) and
+    one call of `reward` (a `dppo.rewards.RewardRunner`: a reward that raises or times out gives 0.0, counted in
+    the record's env_errors / env_timeouts; a non-finite one raises `NonFiniteRewardError`). Pickled without its
+    reward: a rollout worker only collects."""
+
+    max_tokens: int
+    """The answer's max_new_tokens (rollout.max_new_tokens)."""
+    reward: Any = field(default=None, repr=False, compare=False)
+    """The task's `RewardRunner` (only where `score` runs)."""
+    max_turns = 1
+
+    def __getstate__(self):
+        return {"max_tokens": self.max_tokens}
+
+    def __setstate__(self, state) -> None:
+        self.max_tokens, self.reward = state["max_tokens"], None
+
+    def collector(self):
+        return self.collect
+
+    def collect(self, engine, examples: Sequence, params: SamplingParams) -> list[Rollout]:
+        rollouts = engine.generate(engine_prompts(examples, engine.tokenizer), params)
+        texts = engine.tokenizer.batch_decode([r.response_ids.tolist() for r in rollouts], skip_special_tokens=True)
+        for r, text in zip(rollouts, texts):
+            r.episode = Episode(completion=text)
+        return rollouts
+
+    def score(self, examples: Sequence, rollouts: list[Rollout]) -> None:
+        if self.reward is None:
+            raise RuntimeError("SingleTurnEnv.score: no reward runner (a pickled copy only collects)")
+        rewards, _ = self.reward([r.episode.completion for r in rollouts], [examples[r.prompt_index] for r in rollouts])
+        for r, value, status in zip(rollouts, rewards.tolist(), self.reward.last_status):
+            r.reward = value
+            r.episode.env_errors, r.episode.env_timeouts = float(status == "failure"), float(status == "timeout")
+
+    def metrics(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
+        return {}
+
+    def check(self, example) -> str | None:
+        return None
+
+
+COUNTERS = ("turns", "turns_truncated", "tool_calls", "tool_errors", "tool_timeouts", "tool_truncated")
+"""Per-episode counters reported as means per episode (`episode/<name>_mean`)."""
+
+
 @dataclass(frozen=True)
 class EpisodeSpec:
-    """Everything a process needs to run episodes (picklable: rollout workers receive it)."""
+    """Multi-turn episodes of an environment (picklable: rollout workers receive it). The limits have no defaults
+    here: the run config's `EnvConfig` owns them (and checks them)."""
 
     env: str
     """An environment name (`dppo.envs.ENVIRONMENTS`) or import path."""
     options: dict = field(default_factory=dict)
     """The environment's keyword options."""
-    max_turns: int = 4
+    max_turns: int = field(kw_only=True)
     """Assistant turns per episode."""
-    max_tokens: int = 384
+    max_tokens: int = field(kw_only=True)
     """Response tokens of a whole episode (generated and environment tokens after the first prompt)."""
-    env_timeout_s: float = 30.0
+    env_timeout_s: float = field(kw_only=True)
     """Longest an environment's reset or step may take; past it the episode ends, counted as an env timeout."""
 
-    def __post_init__(self) -> None:
-        if self.max_turns < 1:
-            raise ValueError(f"env.max_turns: expected >= 1, got {self.max_turns}")
-        if self.max_tokens < 1:
-            raise ValueError(f"env.max_tokens: expected >= 1, got {self.max_tokens}")
-        if not self.env_timeout_s > 0:
-            raise ValueError(f"env.timeout_s: expected > 0, got {self.env_timeout_s}")
-
     def factory(self):
-        from dppo.envs import make_environment
-
         return make_environment(self.env, **self.options)
+
+    def collector(self) -> "EpisodeCollector":
+        return EpisodeCollector(self)
+
+    def score(self, examples: Sequence, rollouts: list[Rollout]) -> None:
+        """Nothing to do: the environment scored each episode while it ran (the sum of its turns' rewards)."""
+
+    def check(self, example) -> str | None:
+        env = self.factory()()
+        check_messages(env.reset(example), self.env)
+        line = getattr(env, "start_line", None)  # (any class with reset and step is an environment)
+        return line() if callable(line) else None
+
+    def metrics(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
+        """Counters per episode, truncated share, the share of environment tokens among the response tokens, and
+        the environment's errors and timeouts (totals)."""
+        n = len(rollouts)
+        eps = [r.episode for r in rollouts]
+        tokens = sum(int(r.response_ids.numel()) for r in rollouts)
+        out = {f"episode/{k}_mean": sum(getattr(e, k) for e in eps) / n for k in COUNTERS}
+        out["episode/truncated_frac"] = sum(e.truncated for e in eps) / n
+        out["episode/env_token_frac"] = sum(e.env_tokens for e in eps) / max(tokens, 1)
+        out["episode/generated_tokens_mean"] = (tokens - sum(e.env_tokens for e in eps)) / n
+        out["episode/env_errors"] = float(sum(e.env_errors for e in eps))
+        out["episode/env_timeouts"] = float(sum(e.env_timeouts for e in eps))
+        return out
+
+
+def episode_rewards(rollouts: Sequence[Rollout]) -> tuple[Tensor, dict[str, int]]:
+    """[B] float32 rewards of scored episodes and the step's reward counts (failures: the environment or the reward
+    raised; timeouts). ValueError for an unscored rollout or a non-finite reward."""
+    missing = [i for i, r in enumerate(rollouts) if r.reward is None]
+    if missing:
+        raise ValueError(f"rollouts: {len(missing)} responses were not scored by their environment, e.g. #{missing[0]}")
+    out = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError("rollouts: an environment returned a non-finite reward")
+    return out, {"failures": int(sum(r.episode.env_errors for r in rollouts)),
+                 "timeouts": int(sum(r.episode.env_timeouts for r in rollouts))}
 
 
 class ChatDelta:
     """Token ids of appended messages, without re-rendering the transcript (see the module docstring)."""
 
     def __init__(self, tokenizer) -> None:
-        from dppo.envs.tools import template_supports_tools
-
         self.tokenizer = tokenizer
         self.tools_in_template = template_supports_tools(tokenizer)
         eos = tokenizer.eos_token_id
@@ -120,8 +248,6 @@ class ChatDelta:
 
     def prompt(self, messages, schemas: list[dict]) -> list[int]:
         """The first prompt's ids: `messages` with the tools (through the template, or in the system prompt)."""
-        from dppo.envs.tools import render_messages_with_tools
-
         if not schemas:
             return self._render(messages, generation_prompt=True)
         if self.tools_in_template:
@@ -135,29 +261,6 @@ class ChatDelta:
             raise ValueError("tokenizer: the chat template rewrote earlier messages when environment messages were "
                              "appended; token-in-token-out episodes need a template that only appends")
         return full[len(self.base):]
-
-
-def _bounded(fns: Sequence, timeout_s: float) -> list[tuple[str, Any]]:
-    """Each fn() in its own daemon thread, all at once, each given `timeout_s`: per fn ("ok", value) |
-    ("error", exception) | ("timeout", None) (a thread still running is abandoned)."""
-    boxes: list[dict[str, Any]] = [{} for _ in fns]
-
-    def run(fn, box) -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - contained and reported by the caller
-            box["error"] = exc
-
-    threads = [threading.Thread(target=run, args=(fn, box), daemon=True) for fn, box in zip(fns, boxes)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    out = []
-    for t, box in zip(threads, boxes):
-        t.join(max(0.0, deadline - time.monotonic()))
-        out.append(("timeout", None) if t.is_alive() else
-                   ("error", box["error"]) if "error" in box else ("ok", box.get("value")))
-    return out
 
 
 class _Episode:
@@ -209,13 +312,14 @@ class _Episode:
     def rollout(self) -> Rollout:
         mask = torch.tensor(self.mask, dtype=torch.bool)
         versions = torch.tensor(self.versions, dtype=torch.long)
+        text = transcript(self.messages) + (f"\n<error> {self.error}" if self.error else "")
         out = Rollout(prompt_index=self.prompt_index, prompt_ids=torch.tensor(self.prompt_ids, dtype=torch.long),
                       response_ids=torch.tensor(self.ids, dtype=torch.long),
                       rollout_logp=torch.tensor(self.logp, dtype=torch.float32), finish_reason=self.finish,
                       weight_version=int(versions[mask].min()), token_versions=versions, loss_mask=mask,
                       turn_index=torch.tensor(self.turn, dtype=torch.long), reward=self.reward,
-                      episode={**self.stats, "turns": float(self.turns), "env_tokens": float((~mask).sum()),
-                               "error": self.error, "messages": self.messages})
+                      episode=Episode(completion=text, messages=self.messages, error=self.error,
+                                      turns=float(self.turns), env_tokens=float((~mask).sum()), **self.stats))
         widths = [c[0].shape[-1] for c in self.cells if isinstance(c, tuple)]
         if widths:  # µ's top-K cells of generated tokens; invalid (id 0, log-prob 0) on environment tokens
             S = widths[0]
@@ -247,23 +351,19 @@ class EpisodeCollector:
         spec = self.spec
         if self._factory is None:
             self._factory, self._delta = spec.factory(), ChatDelta(engine.tokenizer)
-        from dppo.envs.base import check_messages
-        from dppo.envs.tools import tool_schema
-
         episodes = []
         for p, example in enumerate(examples):
             for _ in range(params.n):
                 env = self._factory()
-                [(status, value)] = _bounded([lambda: env.reset(example)], spec.env_timeout_s)
-                if status != "ok":
+                [reset] = bounded_calls([lambda: env.reset(example)], spec.env_timeout_s, name="dppo-env")
+                if reset.status != "ok":
                     raise ValueError(f"environment {spec.env!r}: reset() failed on example {example.uid}: "
-                                     f"{'timed out' if status == 'timeout' else repr(value)}")
-                messages = check_messages(value, spec.env)
-                schemas = [tool_schema(fn) for fn in getattr(env, "tools", ())]
+                                     f"{'timed out' if reset.status == 'timeout' else repr(reset.error)}")
+                messages = check_messages(reset.value, spec.env)
+                schemas = [tool_schema(fn) for fn in getattr(env, "tools", ())]  # (any class with reset and step)
                 episodes.append(_Episode(p, env, self._delta.prompt(messages, schemas), messages))
-        cache = getattr(engine, "enable_prefix_cache", None)  # the hf engine: later turns prefill only new tokens
-        if cache is not None:
-            cache(sum(len(ep.prompt_ids) + spec.max_tokens for ep in episodes))
+        # (the hf engine: later turns prefill only their new tokens; a no-op for engines without the cache)
+        engine.enable_prefix_cache(sum(len(ep.prompt_ids) + spec.max_tokens for ep in episodes))
         try:
             for turn in range(spec.max_turns):
                 active = [ep for ep in episodes if not ep.done]
@@ -271,8 +371,7 @@ class EpisodeCollector:
                     break
                 self._turn(engine, active, params, turn)
         finally:
-            if cache is not None:
-                cache(0)
+            engine.enable_prefix_cache(0)
         for ep in episodes:
             if not ep.done:  # max_turns reached without the environment ending it
                 ep.end("length")
@@ -290,9 +389,8 @@ class EpisodeCollector:
         max_new = min(params.max_new_tokens, max(spec.max_tokens - len(ep.ids) for ep in active))
         turn_params = dataclasses.replace(params, n=1, max_new_tokens=max_new,
                                           seed=turn_seed(params.seed, turn))
-        poll = getattr(engine, "between_chunks", None)
-        if turn > 0 and poll is not None:  # in-flight updates: newer weights may arrive between turns too
-            poll()
+        if turn > 0 and engine.between_chunks is not None:  # in-flight updates: newer weights between turns too
+            engine.between_chunks()
         rollouts = engine.generate([ep.context() for ep in active], turn_params)
         for ep, r in zip(active, rollouts):
             room = spec.max_tokens - len(ep.ids)
@@ -310,12 +408,11 @@ class EpisodeCollector:
 
     def _answer(self, episodes: list[_Episode]) -> None:
         """Every episode's environment answers its last reply (in parallel threads; each call bounded in time)."""
-        from dppo.envs.base import check_step
-
         spec = self.spec
-        results = _bounded([lambda ep=ep: check_step(ep.env.step(ep.messages[-1]["content"]), spec.env)
-                            for ep in episodes], spec.env_timeout_s)
-        for ep, (status, value) in zip(episodes, results):
+        results = bounded_calls([lambda ep=ep: check_step(ep.env.step(ep.messages[-1]["content"]), spec.env)
+                                 for ep in episodes], spec.env_timeout_s, name="dppo-env")
+        for ep, outcome in zip(episodes, results):
+            status, value = outcome.status, outcome.value if outcome.status == "ok" else outcome.error
             if status == "timeout":
                 ep.stats["env_timeouts"] += 1
                 ep.end("eos", f"environment {spec.env!r}: step() timed out after {spec.env_timeout_s:g}s")
@@ -361,4 +458,5 @@ def transcript(messages: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ChatDelta", "EpisodeCollector", "EpisodeSpec", "transcript", "turn_seed"]
+__all__ = ["COUNTERS", "ChatDelta", "EpisodeCollector", "EpisodeSpec", "Episodes", "SingleTurnEnv", "engine_prompts",
+           "episode_rewards", "transcript", "turn_seed"]

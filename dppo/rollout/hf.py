@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from dppo.rollout.base import EnginePrompt, Rollout, SamplingParams, prompt_token_ids, topk_cells
+from dppo.runtime import models
 
 _CHECK_EVERY = 8
 """Decode steps between checks for finished rows (one host sync each)."""
@@ -77,8 +78,6 @@ class HFEngine:
         max_batch_rows: int | None = None,
         copy: bool = True,
     ) -> None:
-        from dppo.runtime import models
-
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         if isinstance(model, nn.Module):

@@ -64,7 +64,7 @@ class QuantizedEngine:
         self.engine = engine
         self.activations = activations
         if activations:
-            model = getattr(engine, "model", None)
+            model = vars(engine).get("model")  # (the hf engine's own module; the vLLM engine has none here)
             if not isinstance(model, nn.Module):
                 raise ValueError("rollout.fp8_activations: needs the hf engine (its model runs in this process)")
             self._hooks = add_fp8_activation_hooks(model)
@@ -79,6 +79,21 @@ class QuantizedEngine:
 
     def close(self) -> None:
         self.engine.close()
+
+    def enable_prefix_cache(self, max_tokens: int) -> None:
+        self.engine.enable_prefix_cache(max_tokens)
+
+    @property
+    def between_chunks(self):
+        return self.engine.between_chunks
+
+    @between_chunks.setter
+    def between_chunks(self, poll) -> None:  # (in-flight updates reach the engine that decodes)
+        self.engine.between_chunks = poll
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
 
     def __getattr__(self, name):  # max_logprobs, weight_version, model, ... of the wrapped engine
         return getattr(self.engine, name)

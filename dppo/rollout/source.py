@@ -1,8 +1,8 @@
 """`RolloutSource`: the one thing the trainer asks for data and tells about new weights, in every sampling mode.
 
-    take(step)               -> (examples, rollouts) of training step `step` (0-based)
+    take(step)               -> (examples, rollouts) of training step `step` (0-based), every rollout scored
     publish(version, weights)   the weights after `version` optimiser steps (a state dict with HF names)
-    generate(prompts, params)   sampling outside training (evaluation), with the newest weights the source holds
+    generate(examples, params)  episodes outside training (evaluation, scored), with the newest weights it holds
     metrics()                -> the source's own metrics of the last step (floats; {} when it has none)
     close()
 
@@ -18,12 +18,14 @@ Implementations:
   is published (CPU copies wait in a queue), a deterministic stand-in for asynchronous staleness.
 - `dppo.rollout.async_source.AsyncSource`: rollout workers in other processes (or Ray actors) that sample ahead.
 
-**Episodes.** With an `EpisodeSpec` (`dppo.rollout.episodes`), every source runs multi-turn episodes instead of
-single responses: the draw's `prompts` are then the task examples, and the same episode code runs in this process
-(sync, lagged) and in the rollout workers (async: the spec travels with each request).
+**Episodes.** Every source runs the run's environment (`episodes`, a `dppo.rollout.episodes.Episodes`: a
+`SingleTurnEnv` for single answers, an `EpisodeSpec` for multi-turn episodes) on the draw's examples: its collector
+runs where the engine is (in this process for sync and lagged, in the rollout workers for async: the picklable
+environment travels with each request), and `take` / `generate` score what comes back (`episodes.score`) in this
+process, so every rollout a source returns carries its reward and its episode record.
 
-`draw(step) -> Draw` is the trainer's prompt draw (examples, engine prompts, sampling parameters, and the prompt
-sampler's position after it); `trained_position` is that position after the last batch `take` returned, which a
+`draw(step) -> Draw` is the trainer's prompt draw (examples, sampling parameters, and the prompt sampler's
+position after it); `trained_position` is that position after the last batch `take` returned, which a
 checkpoint stores (a resumed run draws any batches that were in flight again).
 """
 
@@ -35,7 +37,8 @@ from typing import Any, Callable, Sequence
 
 from torch import Tensor
 
-from dppo.rollout.base import EnginePrompt, Rollout, SamplingParams
+from dppo.rollout.base import Rollout, SamplingParams
+from dppo.rollout.episodes import Episodes
 
 
 @dataclass
@@ -44,8 +47,6 @@ class Draw:
 
     examples: list
     """The task examples (rollouts' `prompt_index` indexes this list)."""
-    prompts: list[EnginePrompt]
-    """What the engine takes for each example (token ids or chat messages)."""
     params: SamplingParams
     position: int
     """The prompt sampler's position after this draw."""
@@ -53,12 +54,6 @@ class Draw:
 
 class StalenessError(RuntimeError):
     """A source returned a response older than its staleness bound (a scheduling bug, never silently trained)."""
-
-
-def sample(engine, prompts: Sequence, params: SamplingParams, collector=None) -> list[Rollout]:
-    """One batch from `engine`: single responses (`engine.generate`), or episodes when `collector` (an
-    `EpisodeCollector`) is given, `prompts` then being task examples."""
-    return engine.generate(prompts, params) if collector is None else collector(engine, prompts, params)
 
 
 class RolloutSource:
@@ -69,8 +64,8 @@ class RolloutSource:
     engine: Any = None
     """The in-process engine, if the source has one (None for rollout workers)."""
 
-    def __init__(self, draw: Callable[[int], Draw], *, start_position: int) -> None:
-        self.draw = draw
+    def __init__(self, draw: Callable[[int], Draw], *, start_position: int, episodes: Episodes) -> None:
+        self.draw, self.episodes = draw, episodes
         self.trained_position = start_position
 
     def take(self, step: int) -> tuple[list, list[Rollout]]:
@@ -80,15 +75,21 @@ class RolloutSource:
             raise StalenessError(f"step {step}: a response sampled under version {old} (staleness {step - old}), "
                                  f"bound {self.max_staleness}")
         self.trained_position = position
+        self.episodes.score(examples, rollouts)
         return examples, rollouts
+
+    def generate(self, examples: Sequence, params: SamplingParams) -> list[Rollout]:
+        rollouts = self._generate(examples, params)
+        self.episodes.score(examples, rollouts)
+        return rollouts
 
     def _take(self, step: int) -> tuple[list, list[Rollout], int]:
         raise NotImplementedError
 
-    def publish(self, version: int, weights: dict[str, Tensor]) -> None:
+    def _generate(self, examples: Sequence, params: SamplingParams) -> list[Rollout]:
         raise NotImplementedError
 
-    def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
+    def publish(self, version: int, weights: dict[str, Tensor]) -> None:
         raise NotImplementedError
 
     def metrics(self) -> dict[str, float]:
@@ -112,16 +113,12 @@ class EngineSource(RolloutSource):
     """An engine in the trainer's process, `lag` versions behind the trainer (0 = synchronous)."""
 
     def __init__(self, engine, draw: Callable[[int], Draw], *, weights: dict[str, Tensor], version: int,
-                 start_position: int, lag: int = 0, episodes=None) -> None:
-        super().__init__(draw, start_position=start_position)
+                 start_position: int, episodes: Episodes, lag: int = 0) -> None:
+        super().__init__(draw, start_position=start_position, episodes=episodes)
         if lag < 0:
             raise ValueError(f"rollout.engine_lag: expected >= 0, got {lag}")
         self.engine, self.lag, self.max_staleness = engine, lag, lag
-        self.collector = None
-        if episodes is not None:
-            from dppo.rollout.episodes import EpisodeCollector
-
-            self.collector = EpisodeCollector(episodes)
+        self.collect = episodes.collector()
         self._waiting: collections.deque = collections.deque()  # (version, CPU state dict) not yet loaded
         self._load(version, weights)
 
@@ -131,7 +128,7 @@ class EngineSource(RolloutSource):
 
     def _take(self, step: int):
         d = self.draw(step)
-        return d.examples, stamp(sample(self.engine, d.prompts, d.params, self.collector), self.version), d.position
+        return d.examples, self._generate(d.examples, d.params), d.position
 
     def publish(self, version: int, weights: dict[str, Tensor]) -> None:
         if not self.lag:
@@ -141,8 +138,8 @@ class EngineSource(RolloutSource):
         if len(self._waiting) > self.lag:
             self._load(*self._waiting.popleft())
 
-    def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
-        return stamp(sample(self.engine, prompts, params, self.collector), self.version)
+    def _generate(self, examples: Sequence, params: SamplingParams) -> list[Rollout]:
+        return stamp(self.collect(self.engine, examples, params), self.version)
 
     def close(self) -> None:
         self.engine.close()

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dppo.rollout import make_engine
+from dppo.rollout.quantize import QuantizedEngine
 from dppo.runtime.models import ModelSpec, load
+from dppo.trust_region import DEFAULT_TOP_K
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -53,8 +55,6 @@ class EngineSpec:
 def build_engine(spec: EngineSpec):
     """The engine of `spec`, with the initial weights of `spec.model` (ValueError naming the field for a K above
     the engine's cap)."""
-    from dppo.trust_region import DEFAULT_TOP_K
-
     dtype = DTYPES[spec.dtype]
     if spec.kind == "hf":
         model, tokenizer, _ = load(spec.model, dtype=dtype)
@@ -70,7 +70,5 @@ def build_engine(spec: EngineSpec):
         raise ValueError(f"rollout.top_k_logprobs: {spec.top_k_logprobs} exceeds the {spec.kind} engine's "
                          f"max_logprobs {engine.max_logprobs}")
     if spec.quantization == "fp8":
-        from dppo.rollout.quantize import QuantizedEngine
-
         engine = QuantizedEngine(engine, activations=spec.fp8_activations)
     return engine

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from dppo.rollout.base import FinishReason, EnginePrompt, Rollout, SamplingParams, prompt_token_ids, topk_cells
+from dppo.runtime import models
 
 DEFAULT_KV_CACHE_GB = 2
 """KV cache size on CPU when neither `kv_cache_gb` nor ``VLLM_CPU_KVCACHE_SPACE`` is given."""
@@ -240,6 +241,12 @@ class VLLMEngine:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight sync")
         self.weight_version += 1
 
+    between_chunks = None
+    """In-flight weight updates are the hf engine's (rollout.in_flight_updates needs it): always None here."""
+
+    def enable_prefix_cache(self, max_tokens: int) -> None:
+        """A no-op: vLLM caches prefixes itself (reset at every weight sync)."""
+
     def close(self) -> None:
         """Shut the engine down and free its memory (and the temporary model folder, if any)."""
         if self.llm is not None:
@@ -337,8 +344,6 @@ def _save_on_any_rank(model, folder: str) -> None:
 def _model_folder(model, tokenizer, tmpdir: str | None) -> tuple[Path, object]:
     """(folder vLLM loads, tokenizer): a module is saved to `tmpdir`; a name/path is resolved (ValueError if
     missing); the tokenizer defaults to the folder's, if it has one."""
-    from dppo.runtime import models
-
     if isinstance(model, nn.Module):
         if not hasattr(model, "save_pretrained"):
             raise ValueError("model: a module must be a transformers PreTrainedModel (it is saved for vLLM)")

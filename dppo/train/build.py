@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dppo.envs.base import check_messages
 from dppo.rewards import RewardRunner
 from dppo.rollout import engine_class
 from dppo.rollout.async_source import AsyncSource
-from dppo.rollout.episodes import EpisodeSpec
+from dppo.rollout.base import missing_engine_methods
+from dppo.rollout.episodes import EpisodeSpec, SingleTurnEnv
 from dppo.rollout.remote import start_pool
 from dppo.rollout.source import EngineSource
 from dppo.rollout.spec import EngineSpec
@@ -203,7 +203,7 @@ def check_rollout(cfg: Config, trainer_device: torch.device) -> None:
     if r.in_flight_updates and engine.value != "hf":
         raise ConfigError(f"rollout.in_flight_updates: needs the hf engine (rollout.engine auto chose {engine.value!r} "
                           f"here; set rollout.engine hf)")
-    if not callable(getattr(engine_class(engine.value), "load_weights", None)):
+    if "load_weights" in missing_engine_methods(engine_class(engine.value)):
         raise ConfigError(f"rollout.engine: {engine.value!r} cannot receive weights (no load_weights), which "
                           f"rollout.mode async needs after every optimiser step")
 
@@ -222,13 +222,14 @@ def build_engine(cfg: Config, model: nn.Module, *, dist=None, seed_offset: int =
     return engine
 
 
-def build_source(cfg: Config, *, draw, weights: dict[str, torch.Tensor], version: int, position: int,
+def build_source(cfg: Config, episodes, *, draw, weights: dict[str, torch.Tensor], version: int, position: int,
                  device: torch.device, rank: int = 0, announce=None):
-    """The trainer's `RolloutSource` for rollout.mode, holding `weights` as version `version`: an engine in this
-    process (sync; `rollout.engine_lag` versions behind) or rollout workers (async). draw(step) -> `Draw`: the
-    trainer's prompt draw; position: the prompt sampler's position now. announce: called with the workers' line
-    (the engine choice is announced by the caller, from the config as the user gave it: `announce_rollout`)."""
-    r, episodes = cfg.rollout, episode_spec(cfg)
+    """The trainer's `RolloutSource` for rollout.mode, running `episodes` (`build_episodes`) and holding `weights`
+    as version `version`: an engine in this process (sync; `rollout.engine_lag` versions behind) or rollout workers
+    (async). draw(step) -> `Draw`: the trainer's prompt draw; position: the prompt sampler's position now.
+    announce: called with the workers' line (the engine choice is announced by the caller, from the config as the
+    user gave it: `announce_rollout`)."""
+    r = cfg.rollout
     if r.mode == "sync":  # ranks sample differently: engine seed train.seed + rank
         engine = from_spec(engine_spec(cfg, seed_offset=rank))
         return EngineSource(engine, draw, weights=weights, version=version, start_position=position, lag=r.engine_lag,
@@ -244,11 +245,14 @@ def build_source(cfg: Config, *, draw, weights: dict[str, torch.Tensor], version
                        episodes=episodes)
 
 
-def episode_spec(cfg: Config):
-    """The run's `EpisodeSpec` (multi-turn episodes), or None for single-turn responses (env.name '')."""
+def build_episodes(cfg: Config, task=None):
+    """The run's environment (`dppo.rollout.episodes.Episodes`): with `env.name` '' a single answer per prompt as a
+    one-turn episode scored by `task`'s reward (`SingleTurnEnv`; task None: one that only collects), else the
+    multi-turn episodes of that environment (`EpisodeSpec`, with the `env.*` limits)."""
     e = cfg.env
     if not e.name:
-        return None
+        reward = None if task is None else build_reward_runner(cfg, task)
+        return SingleTurnEnv(cfg.rollout.max_new_tokens, reward=reward)
     return EpisodeSpec(e.name, e.options_dict, max_turns=e.max_turns, max_tokens=e.max_tokens, env_timeout_s=e.timeout_s)
 
 
@@ -256,14 +260,7 @@ def check_environment(cfg: Config, examples) -> str | None:
     """Before any model loads: the environment exists, takes its options, and its reset() answers the first training
     example with well-formed messages (ValueError naming env.name otherwise). Returns the environment's start-up line
     (the python tool's sandbox layer), if it has one."""
-    spec = episode_spec(cfg)
-    if spec is None:
-        return None
-
     try:
-        env = spec.factory()()
-        check_messages(env.reset(examples[0]), spec.env)
+        return build_episodes(cfg).check(examples[0])
     except (TypeError, ValueError, KeyError) as err:
         raise ValueError(f"env.name: {err}") from err
-    line = getattr(env, "start_line", None)
-    return line() if callable(line) else None

@@ -222,7 +222,9 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class EnvConfig:
-    """Multi-turn episodes (docs/agents.md): an environment answers each assistant turn; '' = single-turn responses."""
+    """Multi-turn episodes (docs/agents.md): an environment answers each assistant turn; '' = single-turn responses
+    (each a one-turn episode scored by the task's reward). The episode limits' defaults live here only, checked here
+    once (`dppo.rollout.episodes.EpisodeSpec` takes them explicitly)."""
 
     name: str = ""
     """An environment (calculator, python, feedback) or `module:Class` / `path/to/file.py:Class`; '' = off."""
@@ -233,7 +235,8 @@ class EnvConfig:
     max_tokens: int = 256
     """Response tokens of a whole episode, generated and environment tokens together; past it: truncated."""
     timeout_s: float = 30.0
-    """Longest an environment's step may take; past it the episode ends and is counted as an env timeout."""
+    """Longest an environment's reset or step may take; past a step's, the episode ends and is counted as an env
+    timeout."""
 
     def __post_init__(self) -> None:
         _json_object("env.options", self.options)

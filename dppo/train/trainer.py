@@ -40,10 +40,10 @@ from dppo.losses import LOSSES, aggregation_denominator
 from dppo.rollout.base import SamplingParams
 from dppo.train.batch import RolloutBatch, collate
 from dppo.rollout.source import Draw
-from dppo.train.build import (announce_rollout, build_model, build_reward_runner, build_scorer, build_source, build_task,
-                              check_environment, check_rollout, episode_spec, resolve_config, resolve_device)
-from dppo.train import episodes as episode_metrics
-from dppo.train.evaluation import decode_responses, engine_prompts, evaluate, load_checkpoint_weights
+from dppo.rollout.episodes import episode_rewards
+from dppo.train.build import (announce_rollout, build_episodes, build_model, build_scorer, build_source, build_task,
+                              check_environment, check_rollout, resolve_config, resolve_device)
+from dppo.train.evaluation import evaluate, load_checkpoint_weights
 from dppo.train.scoring import Scores
 from dppo.trust_region import TRUST_REGIONS
 from dppo.train.distributed import init_from_env, local_tensor
@@ -150,9 +150,8 @@ class Trainer:
         self.task = build_task(cfg)  # validates data before any model is loaded
         self.train_examples, self.eval_examples = list(self.task.train), list(self.task.eval)
         env_line = check_environment(cfg, self.train_examples)  # env settings fail here, before any model loads
-        self.episodes = episode_spec(cfg)  # multi-turn episodes (None: single-turn responses)
-        self.max_response_len = cfg.env.max_tokens if self.episodes is not None else cfg.rollout.max_new_tokens
-        self.reward_runner = build_reward_runner(cfg, self.task)
+        self.episodes = build_episodes(cfg, self.task)  # every response is an episode of the run's environment
+        self.max_response_len = self.episodes.max_tokens
         self.model, self.tokenizer, self.model_path = build_model(cfg, self.run_dir)
         self.scorer = build_scorer(cfg, self.model, self.dist)  # DDP/FSDP2 under torchrun (FSDP2 shards self.model)
         self.loss_fn, self.loss_settings = LOSSES[cfg.loss.loss], cfg.loss.settings()
@@ -181,9 +180,9 @@ class Trainer:
             announce(env_line)
         # the engine (or the rollout workers) holding the current weights as version step_idx; with
         # rollout.engine_lag a resumed run's lag restarts from the resumed weights
-        self.source = build_source(cfg, draw=self._draw, weights=self._engine_state(), version=self.step_idx,
-                                   position=self.sampler.position, device=self.device, rank=self.dist.rank,
-                                   announce=announce)
+        self.source = build_source(cfg, self.episodes, draw=self._draw, weights=self._engine_state(),
+                                   version=self.step_idx, position=self.sampler.position, device=self.device,
+                                   rank=self.dist.rank, announce=announce)
 
     @property
     def engine(self):
@@ -235,7 +234,7 @@ class Trainer:
         failure = None
         try:
             with timer.time("generation"):
-                examples, rollouts = self.source.take(self.step_idx)
+                examples, rollouts = self.source.take(self.step_idx)  # episodes, scored by their environment
                 fault_point("rollout", self.step_idx + 1)
                 cpu_batch = collate(rollouts, pad_id=self.pad_id)
                 batch = cpu_batch.to(self.device)  # staleness of each response: trained by version step_idx
@@ -243,13 +242,9 @@ class Trainer:
                 if "token_version" in batch.extras:  # per token (an episode's later turns may be fresher)
                     batch.extras["token_staleness"] = self.step_idx - batch.extras["token_version"]
             with timer.time("reward"):
-                completions = decode_responses(cpu_batch, self.tokenizer)
-                if self.episodes is not None:  # the environment scored each episode while it ran
-                    rewards, reward_stats = episode_metrics.rewards(rollouts)
-                    completions = [episode_metrics.transcript(r) for r in rollouts]
-                else:
-                    rewards, reward_stats = self.reward_runner(completions, [examples[i] for i in batch.prompt_index.tolist()])
+                rewards, reward_stats = episode_rewards(rollouts)
                 rewards = rewards.to(self.device)
+                completions = [r.episode.completion for r in rollouts]
         except Exception as exc:  # noqa: BLE001 - agreed below: raised on every rank (one process: re-raised)
             failure = exc
         skip = self.dist.agree(failure, skip=NonFiniteRewardError)
@@ -271,8 +266,7 @@ class Trainer:
             for key in [k for k in metrics if k.startswith("count/")]:  # per-turn values of turns not reached
                 if metrics.pop(key) == 0.0:
                     metrics.pop(key[len("count/"):], None)
-            if self.episodes is not None:
-                metrics.update(episode_metrics.episode_stats(rollouts))
+            metrics.update(self.episodes.metrics(rollouts))  # (episode/*: multi-turn environments only)
             for j in range(self.source.max_staleness + 1):
                 if metrics[f"rollout/staleness_frac_{j}"] == 0.0:  # per-staleness values of a staleness not trained
                     metrics.pop(f"mismatch/binary_tv_stale_{j}", None)
@@ -286,8 +280,7 @@ class Trainer:
         """The prompts of training step `step` (the source calls it when it samples that step's batch). Every rank
         draws the same prompts and keeps its contiguous share (whole groups stay on one rank)."""
         examples = [self.train_examples[i] for i in self.dist.shard(self.sampler.next(self.cfg.rollout.prompts_per_step))]
-        prompts = examples if self.episodes is not None else engine_prompts(examples, self.tokenizer)
-        return Draw(examples, prompts, self._sampling_params(step), self.sampler.position)
+        return Draw(examples, self._sampling_params(step), self.sampler.position)
 
     # ------------------------------------------------------------------ pieces of a step
     def _sampling_params(self, step: int, *, n: int | None = None, temperature: float | None = None,
@@ -349,7 +342,7 @@ class Trainer:
     def _update(self, batch: RolloutBatch, adv: Tensor, old, timer: StepTimer | None = None) -> dict[str, Any]:
         cfg = self.cfg
         timer = timer or StepTimer(cuda=self.device.type == "cuda")
-        acc = _Accumulator(self.device, self.source.max_staleness, self.cfg.env.max_turns if self.episodes else 0)
+        acc = _Accumulator(self.device, self.source.max_staleness, self.episodes.max_turns)
         first = True
         for epoch in range(cfg.train.epochs):
             for mb in self._minibatches(batch.response_ids.shape[0], epoch):
@@ -502,9 +495,7 @@ class Trainer:
         params = self._sampling_params(10_000_000 + self.step_idx, n=self.cfg.train.eval_samples_per_prompt,
                                        temperature=temp, top_k_logprobs=0)
         return self.dist.evaluate(  # each rank evaluates its share of the examples
-            lambda share: evaluate(self.source, self.tokenizer, self.reward_runner, share, params, pad_id=self.pad_id,
-                                   episodes=self.episodes is not None),
-            examples)
+            lambda share: evaluate(self.source, share, params, pad_id=self.pad_id), examples)
 
     def evaluate_and_log(self) -> dict[str, float]:
         result = self.evaluate()

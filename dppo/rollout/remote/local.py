@@ -31,6 +31,7 @@ import torch
 
 from dppo.rollout.remote.pool import _POLL_S, Pool
 from dppo.rollout.remote.worker import Request, Result, WorkerCore, worker_spec
+from dppo.runtime.faults import fault_point
 
 
 def _die_with_parent() -> None:
@@ -66,8 +67,6 @@ def _load_latest(core: WorkerCore, shared, version, lock) -> float:
 def _worker_main(spec, index, threads, in_flight, shared, version, lock, requests, results, parent_pid) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
-    from dppo.runtime.faults import fault_point
-
     try:
         core = WorkerCore(spec, index, threads)
         _load_latest(core, shared, version, lock)

@@ -26,6 +26,7 @@ import time
 
 from dppo.rollout.remote.pool import Pool, WorkerError
 from dppo.rollout.remote.worker import Request, Result, WorkerCore, worker_spec
+from dppo.runtime.faults import fault_point
 
 
 class _Actor:
@@ -40,8 +41,6 @@ class _Actor:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()[:12]}
 
     def run(self, request: Request, version: int, weights) -> Result:
-        from dppo.runtime.faults import fault_point
-
         fault_point("worker", request.step + 1)
         load_s = self.core.load(version, weights) if weights is not None and version > self.core.version else 0.0
         return self.core.run(request, load_s)

@@ -1,8 +1,9 @@
 """A rollout worker: one engine in its own process (or Ray actor), with versioned weights.
 
-The trainer sends `Request`s (prompts + sampling parameters of one share of a step's batch); the worker answers
-each with a `Result` holding the engine's rollouts, every one stamped with the **published weight version** it
-was sampled under (`Rollout.weight_version`: the number of optimiser steps behind those weights). Between two
+The trainer sends `Request`s (examples + sampling parameters of one share of a step's batch, and the run's
+environment); the worker collects their episodes and answers each with a `Result` holding the rollouts (scored by
+the trainer's source when they arrive), every one stamped with the **published weight version** it was sampled
+under (`Rollout.weight_version`: the number of optimiser steps behind those weights). Between two
 requests the worker loads the newest published weights, so a request submitted when version v was published is
 sampled with version >= v: that is what bounds the staleness (dppo.train.async_rollouts).
 
@@ -24,8 +25,9 @@ from typing import Any, Sequence
 
 import torch
 
-from dppo.rollout.base import EnginePrompt, Rollout, SamplingParams
-from dppo.rollout.source import sample, stamp
+from dppo.rollout.base import Rollout, SamplingParams
+from dppo.rollout.episodes import Episodes
+from dppo.rollout.source import stamp
 from dppo.rollout.spec import EngineSpec, build_engine
 
 
@@ -36,11 +38,11 @@ class Request:
     id: int
     step: int
     """The training step whose batch this is (-1 for evaluation)."""
-    prompts: Sequence[EnginePrompt]
-    """Engine prompts, or (with `episodes`) task examples."""
+    examples: Sequence
+    """The task examples of this share."""
     params: SamplingParams
-    episodes: Any = None
-    """An `EpisodeSpec`: run multi-turn episodes from the examples in `prompts` (None: single responses)."""
+    episodes: Episodes
+    """The run's environment (`dppo.rollout.episodes`): its collector runs the episodes of `examples`."""
 
 
 @dataclass
@@ -84,7 +86,7 @@ class WorkerCore:
         self.engine = build_engine(spec)
         self.version = -1
         self.generating, self.in_flight_load_s = False, 0.0
-        self._collectors: dict = {}  # repr(EpisodeSpec) -> EpisodeCollector (its environment factory built once)
+        self._collectors: dict = {}  # repr(environment) -> its collector (an environment factory built once)
 
     def load(self, version: int, weights) -> float:
         """Load published weights `version` (a state dict); returns the seconds it took."""
@@ -105,25 +107,19 @@ class WorkerCore:
         t0, start_version = time.perf_counter(), self.version
         self.generating, self.in_flight_load_s = True, 0.0
         try:
-            collector = None
-            if request.episodes is not None:
-                from dppo.rollout.episodes import EpisodeCollector
-
-                collector = self._collectors.get(repr(request.episodes))
-                if collector is None:
-                    collector = self._collectors[repr(request.episodes)] = EpisodeCollector(request.episodes)
-            rollouts = sample(self.engine, request.prompts, request.params, collector)
+            key = repr(request.episodes)
+            if key not in self._collectors:
+                self._collectors[key] = request.episodes.collector()
+            rollouts = self._collectors[key](self.engine, request.examples, request.params)
         except Exception:  # noqa: BLE001 - reported to the trainer, which raises it naming this worker
             return Result(request.id, self.index, error=traceback.format_exc(), version=self.version)
         finally:
             self.generating = False
         # the version that started each response (in-flight updates: the engine's token_versions say more)
-        stamp(rollouts, start_version, in_flight=getattr(self.engine, "between_chunks", None) is not None)
+        stamp(rollouts, start_version, in_flight=self.engine.between_chunks is not None)
         load_s += self.in_flight_load_s
         return Result(request.id, self.index, rollouts, version=start_version,
                       busy_s=time.perf_counter() - t0 - self.in_flight_load_s, load_s=load_s)
 
     def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        self.engine.close()
