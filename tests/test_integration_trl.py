@@ -21,7 +21,7 @@ import torch
 
 from conftest import VLLM_MARKS
 from dppo.divergence import topk_kl, topk_tv
-from dppo.losses import policy_loss
+from dppo.losses import TokenInputs, loss_spec, policy_loss
 from dppo.trust_region import TRUST_REGIONS
 
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason=(
@@ -322,8 +322,9 @@ def reference_loss(model, out, region: str, temperature: float, **settings) -> t
         cells = logp_full.detach().gather(-1, out["rollout_topk_ids"])
         fn = {"topk_tv": topk_tv, "topk_kl": topk_kl}[TRUST_REGIONS[region].divergence]
         divergence = fn(cells, out["rollout_topk_logp"], out["rollout_topk_valid"])
+    stale = settings.pop("staleness", None)
     return policy_loss(logp, out["sampling_per_token_logps"], out["advantages"], out["completion_mask"].bool(),
-                       trust_region=region, divergence=divergence, **settings)
+                       loss_spec(trust_region=region, **settings), TokenInputs(divergence=divergence, staleness=stale))
 
 
 def grads(model) -> dict[str, torch.Tensor]:

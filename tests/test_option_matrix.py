@@ -36,7 +36,7 @@ import torch
 
 from dppo.train.config import ConfigError
 from dppo.divergence import topk_kl, topk_tv
-from dppo.losses import LOSSES
+from dppo.losses import LOSSES, TokenInputs
 from dppo.train.scoring import score_responses_reference
 from dppo.trust_region import TRUST_REGIONS
 from conftest import smoke_config
@@ -141,9 +141,10 @@ def _reference(trainer, batch, adv, cell):
     if region.needs_topk and cfg.loss.loss == "masked_is":
         fn = {"topk_tv": topk_tv, "topk_kl": topk_kl}[region.divergence]
         divergence = fn(scores.topk_logp, old.topk_logp if recompute else batch.rollout_topk_logp, batch.rollout_topk_valid)
-    loss, _ = LOSSES[cfg.loss.loss](scores.logp, batch.rollout_logp, adv, batch.response_mask, divergence=divergence,
-                                    old_logp=old.logp if recompute else None, staleness=batch.extras["token_staleness"],
-                                    max_response_len=cfg.rollout.max_new_tokens, **cfg.loss.settings())
+    inputs = TokenInputs(divergence=divergence, old_logp=old.logp if recompute else None,
+                         staleness=batch.extras["token_staleness"])  # batch statistics: over this call, the whole batch
+    loss, _ = LOSSES[cfg.loss.loss](scores.logp, batch.rollout_logp, adv, batch.response_mask, cfg.loss.spec(), inputs,
+                                    max_response_len=cfg.rollout.max_new_tokens)
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, float(loss.detach())
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from dppo.losses import policy_loss
+from dppo.losses import TokenInputs, loss_spec, policy_loss
 from dppo.trust_region import TRUST_REGIONS
 from test_integration_trl import dataset, integ, make_trainer  # noqa: F401 - fixtures
 from test_integration_trl import (LAGS, NON_DEFAULT, REGIONS, grads, group_inputs, needs_trl, plain_scaled_logits, reward_fn,
@@ -198,11 +198,11 @@ def test_filter_and_off_policy_mask_match_trl_in_every_region(make_trainer, regi
             from test_integration_trl import reference_loss
 
             _, stats = reference_loss(trainer.model, out, region, trainer.temperature, aggregation="token-mean",
-                                      **trainer._region)
+                                      **trainer._spec.params)
         else:
-            stale = {"staleness": torch.tensor(LAGS, dtype=torch.float32)} if TRUST_REGIONS[region].inputs else {}
-            _, stats = policy_loss(logp, mu, adv, mask, trust_region=region, aggregation="token-mean",
-                                   **stale, **trainer._region)
+            stale = torch.tensor(LAGS, dtype=torch.float32) if TRUST_REGIONS[region].inputs else None
+            _, stats = policy_loss(logp, mu, adv, mask, loss_spec(trust_region=region, aggregation="token-mean",
+                                                                  **trainer._spec.params), TokenInputs(staleness=stale))
         weight = (logp - mu).clamp(max=20).exp().clamp(max=trainer.args.is_cap)
         keep = (stats["keep"] & entropy_keep & sequence_keep & mask).float()
     ref = -(keep * weight * adv[:, None] * logp).sum() / out["num_items_in_batch"]
