@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from dppo.divergence import binary_kl, binary_tv
-from dppo.losses import TokenInputs, loss_spec, policy_loss
+from dppo.losses import (TokenInputs, aggregation_denominator, batch_stat_values, batch_statistics, loss_spec,
+                         policy_loss)
 from dppo.metrics import mismatch_split
 from dppo.sequence_mask import sequence_keep, unit_shares
 from dppo.trust_region import (TRUST_REGIONS, dppo_binary_kl, dppo_binary_tv, dppo_sat_kl, dppo_sat_tv, dppo_stale_kl,
@@ -158,6 +159,47 @@ def test_sat_masks_a_superset_of_dppo_and_only_in_the_tail(seed, spread, kappa):
     tail = sat_tail(b["logp"], b["rollout_logp"], b["mask"], 0.8)
     assert not (sat & ~plain).any()
     assert not ((plain & ~sat) & ~tail).any()
+
+
+@pytest.mark.parametrize("region", ["dppo_sat_tv", "dppo_sat_kl"])
+@pytest.mark.parametrize("cuts", [[1, 2, 3], [2]])
+def test_sat_batch_statistic_makes_micro_batches_sum_to_the_batch(region, cuts):
+    """With the batch statistic (the tail quantile) computed over the whole batch (`batch_stat_values` of each
+    micro-batch, joined, then `batch_statistics`) and passed to every micro-batch, the micro-batches' losses sum to
+    the whole batch's, gradient included; with each micro-batch's own quantile they do not (the split changes the
+    tail). κ = 0: a tail token is masked once π moved with its advantage; a spread of 0.3 leaves most tokens inside
+    DPPO's δ, so the tail decides (for this seed the per-micro-batch tail differs in every case)."""
+    b = make_batch(0, B=4, T=6, spread=0.3)
+    b["mask"][:, :2] = True
+    spec = loss_spec(trust_region=region, sat_shrink=0.0, aggregation="token-mean")
+    denom = aggregation_denominator(b["mask"], "token-mean")
+    rows = list(zip([0] + cuts, cuts + [4]))
+    values = [batch_stat_values(spec, b["logp"][lo:hi], b["rollout_logp"][lo:hi], b["mask"][lo:hi]) for lo, hi in rows]
+    stats = batch_statistics(spec, {k: torch.cat([v[k].reshape(-1) for v in values]) for k in values[0]})
+    assert set(stats) == {"sat_threshold"} and stats["sat_threshold"].dim() == 0
+
+    def split_loss(batch_stats):
+        logp = b["logp"].clone().requires_grad_(True)
+        total = sum(policy_loss(logp[lo:hi], b["rollout_logp"][lo:hi], b["adv"][lo:hi], b["mask"][lo:hi], spec,
+                                TokenInputs(batch_stats=batch_stats), denominator=denom)[0] for lo, hi in rows)
+        total.backward()
+        return total, logp.grad
+
+    logp = b["logp"].clone().requires_grad_(True)
+    whole, _ = policy_loss(logp, b["rollout_logp"], b["adv"], b["mask"], spec)  # the call is the batch
+    whole.backward()
+    split, grad = split_loss(stats)
+    assert_close(split, whole)
+    assert_close(grad, logp.grad)
+    per_micro, grad_per_micro = split_loss(None)  # each micro-batch's own quantile: the bug this guards against
+    assert not torch.allclose(grad_per_micro, logp.grad)
+
+
+def test_policy_loss_names_a_missing_batch_statistic():
+    b = make_batch(3)
+    with pytest.raises(ValueError, match=r"^batch_stats: sat_threshold required by trust_region 'dppo_sat_tv'"):
+        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(trust_region="dppo_sat_tv"),
+                    TokenInputs(batch_stats={}))
 
 
 # ------------------------------------------------------------------------------------------------ sequence masks
