@@ -15,8 +15,9 @@ A cell either
 
 The batch is sampled by the hf engine in bf16 (pinned: `auto` would choose by machine) from the trainer's own weights
 at temperature 0.25 (peaked distributions),
-then µ is moved far from π on a fixed half of the tokens (log µ = log π ± 1.2, and µ's top-K cells scaled by e^-1.2): every trust region masks some tokens
-and keeps others, with divergences far from the thresholds, so bf16 rounding cannot flip a mask decision.
+then µ is moved far from π on a fixed half of the tokens (log µ = log π ± 1.2, and µ's top-K cells scaled by e^-1.2; the
+tokens of SAT's tail by −2.0, so that its quantile sits in a gap): every trust region masks some tokens and keeps
+others, with divergences far from the thresholds, so bf16 rounding cannot flip a mask decision.
 
 Tolerances. float32: the same math in another order (packed/shared rows, micro-batch sums, checkpoint
 recomputation): measured relative error of the gradient <= 5.6e-7, asserted < 1e-4. bf16 autocast (the reference
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import random
 from contextlib import nullcontext
 
@@ -118,6 +120,17 @@ def _far_batch(trainer):
     # the other tokens move by ±0.05 so that no π/µ sits at 1 within kernel noise (CPPO's mask flips on the sign of
     # log π − log µ once a sequence's budget is spent: a tie there made the reference and the trainer disagree)
     shift = torch.where(far, torch.where(up, 1.2, -1.2), torch.where(up, 0.05, -0.05))
+    # SAT's tail (tokens above the q-quantile of |log π − log µ| over the batch) made unambiguous: the tokens ranked
+    # above the quantile's position q·(n−1) move by −2.0 (µ below π, never clamped), the quantile falls in the gap
+    # between 1.2 and 2.0, and no rounding (bf16 engine, autocast) moves a token across it
+    n = int(batch.response_mask.sum())
+    q = TRUST_REGIONS["dppo_sat_tv"].params["sat_quantile"].default
+    top = n - 1 - math.floor(q * (n - 1))
+    down = (far & ~up).flatten().nonzero()[:, 0]
+    assert len(down) >= top
+    very = torch.zeros(shift.numel(), dtype=torch.bool)
+    very[down[torch.randperm(len(down), generator=torch.Generator().manual_seed(8))[:top]]] = True
+    shift = torch.where(very.view_as(shift), -2.0, shift)
     batch.rollout_logp = torch.where(batch.response_mask, (batch.rollout_logp + shift).clamp(max=-1e-3), 0.0)
     batch.rollout_topk_logp = torch.where(far[..., None], batch.rollout_topk_logp - 1.2, batch.rollout_topk_logp)
     rewards = torch.rand(P * G, generator=gen)
