@@ -27,7 +27,8 @@ from torch import Tensor
 
 from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
 
-__all__ = ["MAXIMA", "MU_BUCKETS", "NAMES", "SEQUENCE_WEIGHTS", "WEIGHTS", "from_sums", "loss_terms", "masked_mu_histogram", "masked_mu_shares", "masked_shares",
+__all__ = ["MAXIMA", "MU_BUCKETS", "NAMES", "SEQUENCE_WEIGHTS", "WEIGHTS", "from_sums", "loss_terms",
+           "masked_mu_histogram", "masked_mu_shares", "masked_shares",
            "merge", "mismatch_split", "mismatch_stats", "per_group_sums", "ratio_stats", "to_sums", "token_mean", "token_mismatch"]
 
 MU_BUCKETS: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 0.5)
@@ -50,7 +51,8 @@ SEQUENCE_WEIGHTS: dict[str, str] = {
 NAMES: dict[str, str] = {
     "masked_frac": "trust_region/masked_frac", "ratio_mean": "ratio/mean", "ratio_above_cap_frac": "ratio/above_cap_frac",
     "masked_frac_pos": "trust_region/masked_frac_pos", "masked_frac_neg": "trust_region/masked_frac_neg",
-    "seq_removed_frac_pos": "trust_region/seq_removed_frac_pos", "seq_removed_frac_neg": "trust_region/seq_removed_frac_neg",
+    "seq_removed_frac_pos": "trust_region/seq_removed_frac_pos",
+    "seq_removed_frac_neg": "trust_region/seq_removed_frac_neg",
     "seq_removed_token_frac_pos": "trust_region/seq_removed_token_frac_pos",
     "seq_removed_token_frac_neg": "trust_region/seq_removed_token_frac_neg",
     "ratio_max": "ratio/max",

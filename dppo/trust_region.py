@@ -16,8 +16,11 @@ its check and its help text (the config fields `loss.<param>` and the CLI flags 
 from them, and `region_params` is the one place they are checked); `divergence` names the estimate the mask
 is defined on ("binary_tv", "binary_kl", "topk_tv", "topk_kl" or None); `needs_topk` says the engine must
 record µ's top-K; `inputs` names the extra per-token tensors the mask takes by keyword ("staleness": each token's
-measured version lag τ_t, in training steps). Adding a trust region is one function and one entry here (`pg_is_neg_mask`, the paper's
-Fig. 5 mask, was added that way); the shared tests are parametrised over this dict.
+measured version lag τ_t, in training steps); `batch_stats` names the statistics of the whole optimiser batch the
+mask takes by keyword (SAT's "sat_threshold": the tail quantile), which `dppo.losses.batch_statistics` computes once
+per optimiser batch so that the mask does not depend on the micro-batch split. Adding a trust region is one function
+and one entry here (`pg_is_neg_mask`, the paper's Fig. 5 mask, was added that way); the shared tests are
+parametrised over this dict.
 """
 
 from __future__ import annotations

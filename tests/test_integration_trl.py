@@ -140,6 +140,21 @@ def test_config_defaults_are_dppos(integ, tmp_path):
     assert clip.region_settings() == {"eps_low": 0.2, "eps_high": 0.28}
 
 
+def test_the_adapters_import_nothing_from_the_trainer():
+    """dppo.integrations (TRL, verl) needs only the library: no import of dppo.train, lazy ones included."""
+    import ast
+    from pathlib import Path
+
+    import dppo.integrations
+
+    root = Path(dppo.integrations.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "dppo.train" or n.startswith("dppo.train.") for n in names), (path.name, node.lineno)
+
+
 @needs_trl
 @pytest.mark.parametrize("overrides, field", [
     ({"trust_region": "dppo_tv"}, "trust_region"),

@@ -44,7 +44,8 @@ def test_eq23_value_and_gradient_hand_case():
     mu, pi = [0.25, 0.40, 0.30], [0.50, 0.20, 0.35]
     adv = [1.5, 1.5, -2.0]
     logp = tensor([[math.log(p) for p in pi]]).requires_grad_(True)
-    loss, _ = policy_loss(logp, tensor([[math.log(m) for m in mu]]), tensor([adv]), torch.ones(1, 3, dtype=torch.bool), loss_spec(aggregation="token-mean"))
+    loss, _ = policy_loss(logp, tensor([[math.log(m) for m in mu]]), tensor([adv]), torch.ones(1, 3, dtype=torch.bool),
+                          loss_spec(aggregation="token-mean"))
     loss.backward()
     keep = [0.0, 1.0, 1.0]
     r = [p / m for p, m in zip(pi, mu)]
@@ -58,7 +59,8 @@ def test_eq23_value_and_gradient_hand_case():
 def test_is_cap(is_cap, weights):
     mu, pi = [0.01, 0.4, 0.1], [0.2, 0.2, 0.4]  # r = 20, 0.5, 4
     logp = tensor([[math.log(p) for p in pi]]).requires_grad_(True)
-    loss, metrics = policy_loss(logp, tensor([[math.log(m) for m in mu]]), tensor([2.0]), torch.ones(1, 3, dtype=torch.bool), loss_spec(trust_region="none", is_cap=is_cap, aggregation="token-mean"))
+    loss, metrics = policy_loss(logp, tensor([[math.log(m) for m in mu]]), tensor([2.0]), torch.ones(1, 3, dtype=torch.bool),
+                                loss_spec(trust_region="none", is_cap=is_cap, aggregation="token-mean"))
     loss.backward()
     frac = metrics["ratio_above_cap_frac"]
     assert_close(frac, torch.tensor(sum(r > is_cap for r in (20, 0.5, 4)) / 3, dtype=frac.dtype))
@@ -68,7 +70,8 @@ def test_is_cap(is_cap, weights):
 def test_log_ratio_clamped_before_exp():
     # log π − log µ = 25 is clamped to 20: with no cap the weight is e^20, finite.
     logp = tensor([[-1.0]]).requires_grad_(True)
-    loss, m = policy_loss(logp, tensor([[-26.0]]), tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), loss_spec(trust_region="none", is_cap=INF, aggregation="token-mean"))
+    loss, m = policy_loss(logp, tensor([[-26.0]]), tensor([1.0]), torch.ones(1, 1, dtype=torch.bool),
+                          loss_spec(trust_region="none", is_cap=INF, aggregation="token-mean"))
     loss.backward()
     assert_close(logp.grad, tensor([[-math.exp(20.0)]]))
     assert_close(m["ratio_max"], torch.tensor(math.exp(20.0), dtype=F64))
@@ -132,7 +135,8 @@ def _split_loss(loss_fn, b, cuts, mode, name):
     for lo, hi in zip([0] + cuts, cuts + [B]):
         t_mb = max(int(lengths[lo:hi].max()), 1)
         sl = (slice(lo, hi), slice(0, t_mb))
-        kwargs = dict(aggregation=mode, denominator=denom, max_response_len=T, loss="drpo" if name == "drpo" else "masked_is")
+        kwargs = dict(aggregation=mode, denominator=denom, max_response_len=T,
+                      loss="drpo" if name == "drpo" else "masked_is")
         if name != "drpo":
             kwargs.update(trust_region=name, **extra(name))
             div = divergence_for(name, b)
@@ -171,8 +175,11 @@ def test_micro_batch_split_without_the_shared_denominator_differs():
     b = make_batch(7, B=6, T=5, spread=1.0)
     b["mask"][0] = True
     b["mask"][1:3, 1:] = False
-    full, _ = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(trust_region="none", aggregation="token-mean"))
-    parts = sum(policy_loss(b["logp"][s], b["rollout_logp"][s], b["adv"][s], b["mask"][s], loss_spec(trust_region="none", aggregation="token-mean"))[0] for s in (slice(0, 3), slice(3, 6)))
+    full, _ = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                          loss_spec(trust_region="none", aggregation="token-mean"))
+    spec = loss_spec(trust_region="none", aggregation="token-mean")
+    parts = sum(policy_loss(b["logp"][s], b["rollout_logp"][s], b["adv"][s], b["mask"][s], spec)[0]
+                for s in (slice(0, 3), slice(3, 6)))
     assert (parts - full).abs() > 1e-3
 
 
@@ -187,7 +194,8 @@ def test_metrics_hand_case():
     mu = tensor([[0.2, 0.1, 0.01], [0.5, 0.2, 0.01], [0.3, 0.01, 0.01]])
     pi = tensor([[0.2, 0.4, 1.0], [0.45, 0.3, 1.0], [0.3, 1.0, 1.0]])
     mask = tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0]]).bool()
-    _, m = policy_loss(pi.log(), mu.log(), tensor([1.0, -1.0, 0.0]), mask, loss_spec(trust_region="ppo_clip", is_cap=3.0))
+    _, m = policy_loss(pi.log(), mu.log(), tensor([1.0, -1.0, 0.0]), mask,
+                       loss_spec(trust_region="ppo_clip", is_cap=3.0))
     want = dict(masked_frac=1 / 5, masked_frac_pos=1 / 2, masked_frac_neg=0.0, ratio_mean=(1 + 4 + 0.9 + 1.5 + 1) / 5,
                 ratio_max=4.0, ratio_above_cap_frac=1 / 5, n_tokens=5.0, n_pos=2.0, n_neg=2.0)
     assert set(m) == set(want) | {"keep"}

@@ -91,15 +91,25 @@ def test_policy_loss_needs_staleness_for_the_stale_regions():
     with pytest.raises(ValueError, match=r"^staleness: required by trust_region 'dppo_stale_tv'"):
         policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(trust_region="dppo_stale_tv"))
     with pytest.raises(ValueError, match=r"^staleness: expected shape \[B\] or \[B, T\]"):
-        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(trust_region="dppo_stale_tv"), TokenInputs(staleness=torch.zeros(2, 2)))
+        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                    loss_spec(trust_region="dppo_stale_tv"),
+                    TokenInputs(staleness=torch.zeros(2, 2)))
     # [B], [B, T] and one value give the same loss when they say the same thing
-    per_row = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(trust_region="dppo_stale_tv"), TokenInputs(staleness=torch.full((4,), 2)))[0]
-    per_token = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(trust_region="dppo_stale_tv"), TokenInputs(staleness=torch.full((4, 6), 2)))[0]
-    one = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(trust_region="dppo_stale_tv"), TokenInputs(staleness=torch.tensor(2)))[0]
+    per_row = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                          loss_spec(trust_region="dppo_stale_tv"),
+                          TokenInputs(staleness=torch.full((4,), 2)))[0]
+    per_token = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                            loss_spec(trust_region="dppo_stale_tv"),
+                            TokenInputs(staleness=torch.full((4, 6), 2)))[0]
+    one = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                      loss_spec(trust_region="dppo_stale_tv"),
+                      TokenInputs(staleness=torch.tensor(2)))[0]
     assert per_row == per_token == one
     # regions that read no staleness ignore it
     plain = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"])[0]
-    assert plain == policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(), TokenInputs(staleness=torch.full((4,), 9)))[0]
+    assert plain == policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                                loss_spec(),
+                                TokenInputs(staleness=torch.full((4,), 9)))[0]
 
 
 # ------------------------------------------------------------------------------------------------ SAT-like tail
@@ -272,7 +282,8 @@ def test_sequence_mask_hand_case_and_its_shares():
 def test_policy_loss_sequence_mask_drops_whole_responses_and_composes_with_the_region():
     b = make_batch(11, spread=1.5)
     logp = b["logp"].clone().requires_grad_(True)
-    loss, stats = policy_loss(logp, b["rollout_logp"], b["adv"], b["mask"], loss_spec(sequence_mask="max_divergence", sequence_delta=0.3))
+    loss, stats = policy_loss(logp, b["rollout_logp"], b["adv"], b["mask"],
+                              loss_spec(sequence_mask="max_divergence", sequence_delta=0.3))
     loss.backward()
     region = dppo_binary_tv(b["logp"], b["rollout_logp"], _adv(b), b["mask"], None, delta_low=0.15, delta_high=0.15)
     seq, _ = sequence_keep(b["logp"], b["rollout_logp"], b["adv"], b["mask"], statistic="max_divergence", delta=0.3)
@@ -283,7 +294,8 @@ def test_policy_loss_sequence_mask_drops_whole_responses_and_composes_with_the_r
     for key in ("seq_removed_frac_pos", "seq_removed_frac_neg", "seq_removed_token_frac_pos", "seq_n_units_neg"):
         assert key in stats
     # the max_divergence of a KL region reads Binary-KL: the same δ removes less than with Binary-TV here
-    _, kl_stats = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(trust_region="dppo_binary_kl", sequence_mask="max_divergence", sequence_delta=0.3))
+    _, kl_stats = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                              loss_spec(trust_region="dppo_binary_kl", sequence_mask="max_divergence", sequence_delta=0.3))
     kl_seq, _ = sequence_keep(b["logp"], b["rollout_logp"], b["adv"], b["mask"], statistic="max_divergence", delta=0.3,
                               divergence=binary_kl(b["logp"], b["rollout_logp"]))
     assert torch.equal(kl_stats["keep"] & ~kl_seq, torch.zeros_like(kl_seq))
@@ -294,7 +306,8 @@ def test_sequence_mask_errors_name_the_setting():
     with pytest.raises(ValueError, match="^sequence_mask: "):
         policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(sequence_mask="max"))
     with pytest.raises(ValueError, match="^sequence_delta: expected a finite number"):
-        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(sequence_mask="mean_k3", sequence_delta=math.inf))
+        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                    loss_spec(sequence_mask="mean_k3", sequence_delta=math.inf))
     with pytest.raises(ValueError, match="^sequence_unit: "):
         policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(sequence_unit="episode"))
 

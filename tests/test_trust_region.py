@@ -273,7 +273,9 @@ def test_ppo_clip_mask_gives_the_clipped_objective_gradient(seed, aggregation, p
     mask = torch.rand(B, T, generator=g) < 0.8
     # Ours: detached ratio, mask, IS cap off.
     logp = logp0.clone().requires_grad_(True)
-    loss, _ = policy_loss(logp, rollout_logp, adv, mask, loss_spec(trust_region="ppo_clip", eps_low=eps_low, eps_high=eps_high, is_cap=math.inf, aggregation=aggregation))
+    loss, _ = policy_loss(logp, rollout_logp, adv, mask, loss_spec(trust_region="ppo_clip", eps_low=eps_low,
+                                                                   eps_high=eps_high, is_cap=math.inf,
+                                                                   aggregation=aggregation))
     (grad,) = torch.autograd.grad(loss, logp)
     # Classic PPO: −min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A), r with gradient, same aggregation by hand.
     logp = logp0.clone().requires_grad_(True)
@@ -386,7 +388,9 @@ def test_recompute_anchor_masks_against_old_logp_but_weights_by_pi_over_mu(name)
     grads = {}
     for anchor in ("rollout", "recompute"):
         logp = pi.log().requires_grad_(True)
-        loss, metrics = policy_loss(logp, mu.log(), adv, mask, loss_spec(trust_region=name, anchor=anchor, aggregation="token-mean", is_cap=10.0), TokenInputs(old_logp=old.log()))
+        loss, metrics = policy_loss(logp, mu.log(), adv, mask,
+                                    loss_spec(trust_region=name, anchor=anchor, aggregation="token-mean", is_cap=10.0),
+                                    TokenInputs(old_logp=old.log()))
         loss.backward()
         grads[anchor] = logp.grad
     r = (pi / mu)[0]  # 5.5 and 1.0: the weight is π/µ under both anchors

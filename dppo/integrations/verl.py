@@ -40,7 +40,8 @@ response_mask, loss_agg_mode, config, rollout_is_weights; all [B, T]):
 
 Top-K (dppo_topk_tv / dppo_topk_kl) is not registered: its divergence needs µ's top-K log-probs at every
 position, and stock verl records only the sampled token's log-prob (`rollout_log_probs`). With a rollout that
-recorded them, compute `dppo.divergence.topk_tv`/`topk_kl` and call `dppo.losses.policy_loss` with `TokenInputs(divergence=...)`.
+recorded them, compute `dppo.divergence.topk_tv`/`topk_kl` and call `dppo.losses.policy_loss` with
+`TokenInputs(divergence=...)`.
 """
 
 from __future__ import annotations
