@@ -14,10 +14,10 @@ A cell either
   plain `LOSSES` entry on the whole batch; and `loss/policy` equals the reference loss.
 
 The batch is sampled by the hf engine in bf16 (pinned: `auto` would choose by machine) from the trainer's own weights
-at temperature 0.25 (peaked distributions),
-then µ is moved far from π on a fixed half of the tokens (log µ = log π ± 1.2, and µ's top-K cells scaled by
-e^-1.2; the tokens of SAT's tail by −2.0, so that its quantile sits in a gap): every trust region masks some tokens
-and keeps others, with divergences far from the thresholds, so bf16 rounding cannot flip a mask decision.
+at temperature 0.25 (peaked distributions), then µ is moved far from π on a fixed half of the tokens (log µ = log π
+± 1.2, and µ's top-K cells scaled by e^-1.2; the tokens of SAT's tail by −2.0, so that its quantile sits in a gap):
+every trust region masks some tokens and keeps others, with divergences far from the thresholds, so bf16 rounding
+cannot flip a mask decision.
 
 Tolerances. float32: the same math in another order (packed/shared rows, micro-batch sums, checkpoint
 recomputation): measured relative error of the gradient <= 5.6e-7, asserted < 1e-4. bf16 autocast (the reference
