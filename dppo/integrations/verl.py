@@ -46,6 +46,7 @@ recorded them, compute `dppo.divergence.topk_tv`/`topk_kl` and call `dppo.losses
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -105,12 +106,18 @@ def _spec(trust_region: str, aggregation: str, config: Any) -> LossSpec:
         if found is not None:
             source[param], given[param] = found[0], float(found[1])
     try:
-        return loss_spec(trust_region=trust_region, aggregation=aggregation, **given)
+        return _cached_spec(trust_region, aggregation, tuple(sorted(given.items())))
     except ValueError as exc:  # "delta_high: expected > 0, got -1.0" -> "clip_ratio_high: delta_high of ...; ..."
         param, _, rest = str(exc).partition(": ")
         if param not in source:
             raise
         raise ValueError(f"{source[param]}: {param} of {trust_region}; {rest}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_spec(trust_region: str, aggregation: str, given: tuple[tuple[str, float], ...]) -> LossSpec:
+    """`loss_spec` once per distinct setting (verl calls the loss once per micro-batch)."""
+    return loss_spec(trust_region=trust_region, aggregation=aggregation, **dict(given))
 
 
 def _aggregation(loss_agg_mode: str, batch: Mapping[str, Any]) -> tuple[str, Any, Any]:
