@@ -26,7 +26,7 @@ import time
 import torch
 
 from dppo.divergence import topk_tv
-from dppo.losses import policy_loss
+from dppo.losses import TokenInputs, loss_spec, policy_loss
 
 try:
     from dppo.logprobs import fused_logprobs
@@ -59,7 +59,8 @@ def run_variant(name: str, x: dict) -> None:
     divergence = None
     if name == "dppo_topk_tv":
         divergence = topk_tv(x["cells_pi"], x["cells_mu"], x["valid"]).view_as(x["logp"])
-    loss, _ = policy_loss(x["logp"], x["rollout_logp"], x["adv"], x["mask"], trust_region=name, divergence=divergence)
+    loss, _ = policy_loss(x["logp"], x["rollout_logp"], x["adv"], x["mask"], loss_spec(trust_region=name),
+                          TokenInputs(divergence=divergence))
     loss.backward()
     x["logp"].grad = None
 

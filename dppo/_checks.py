@@ -1,9 +1,15 @@
-"""Small argument checks shared by the pure modules: every failure is a ValueError naming the argument."""
+"""Small argument checks shared by the pure modules: every failure is a ValueError naming the argument; and
+`ConfigError`, the ValueError of an invalid configuration value (re-exported by `dppo.train.config`), here so that
+the adapters (`dppo.integrations`) can raise and catch it without importing the trainer's package."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message starts with the field's dotted name."""
 
 
 def check_tensor(name: str, x, *, floating: bool = False, dtype: torch.dtype | None = None) -> None:

@@ -15,6 +15,12 @@ In the seq-mean modes a sequence with no active token is left out of the count. 
 given explicitly (`denominator`, computed over the whole mini-batch and all ranks with
 `aggregation_denominator`) so that summing the losses of micro-batches gives exactly the mini-batch loss.
 
+Settings and inputs: every loss of `LOSSES` takes a `LossSpec` (`dppo.loss_spec.loss_spec`: trust region and its
+parameters, anchor, C, aggregation, sequence mask, DRPO's δ, resolved and checked once there) and a `TokenInputs`
+(the per-token tensors a spec needs). A region that reads a statistic of the whole optimiser batch (SAT's tail
+quantile: `TrustRegion.batch_stats`) gets it in `TokenInputs.batch_stats`, computed once per optimiser batch with
+`batch_stat_values` / `batch_statistics`, so that the loss of micro-batches sums to the loss of their union.
+
 Precision: ratios, coefficients and the aggregated loss are computed in float32 for 16-bit `logp` (the
 gradient still reaches `logp` in its own dtype), in logp's dtype otherwise.
 
@@ -27,20 +33,21 @@ and in the coefficient that multiplies logp, so garbage there reaches neither th
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from dppo._checks import check_choice, check_positive, check_same, check_tensor
 from dppo.divergence import binary_kl, binary_tv
-from dppo.sequence_mask import SEQUENCE_MASKS, SEQUENCE_UNITS, sequence_keep, unit_shares
-from dppo.trust_region import TRUST_REGIONS, all_params, needs_topk, region_inputs, region_params
+from dppo.loss_spec import AGGREGATIONS, ANCHORS, SEQUENCE_DELTAS, LossSpec, loss_spec
+from dppo.sequence_mask import sequence_keep, unit_shares
+from dppo.trust_region import TRUST_REGIONS
 
-__all__ = ["AGGREGATIONS", "ANCHORS", "LOSSES", "aggregate", "aggregation_denominator", "policy_loss", "drpo_loss"]
-
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-ANCHORS = ("rollout", "recompute")
+__all__ = ["AGGREGATIONS", "ANCHORS", "LOSSES", "SEQUENCE_DELTAS", "LossSpec", "TokenInputs", "aggregate",
+           "aggregation_denominator", "batch_stat_values", "batch_statistics", "drpo_loss", "loss_spec", "policy_loss"]
 MAX_LOG_RATIO = 20.0
 
 
@@ -112,32 +119,107 @@ def _check_inputs(logp: Tensor, rollout_logp: Tensor, adv: Tensor, response_mask
     return adv.expand_as(logp)
 
 
+@dataclass(frozen=True)
+class TokenInputs:
+    """The per-token inputs of a loss besides logp, rollout_logp, adv and response_mask (B sequences, T positions);
+    which are required depends on the spec (`LossSpec.region`'s `needs_topk`, `inputs` and `batch_stats`)."""
+
+    divergence: Tensor | None = None
+    """[B, T] precomputed divergence, required by the Top-K regions (against the mask's anchor: µ's top-K cells for
+    "rollout", π_old's for "recompute")."""
+    old_logp: Tensor | None = None
+    """[B, T] recomputed log π_old; required by anchor "recompute"."""
+    staleness: Tensor | None = None
+    """[B, T], [B] or one value: each token's version lag τ_t in training steps; required by the regions whose
+    `TrustRegion.inputs` name it (dppo_stale_*), ignored by the others."""
+    turn_index: Tensor | None = None
+    """[B, T] turn of each token (sequence_unit "turn")."""
+    n_turns: int | None = None
+    """An upper bound of the turn count (saves a host sync; `dppo.sequence_mask.unit_index`)."""
+    batch_stats: Mapping[str, Tensor] | None = None
+    """The statistics of the whole optimiser batch the region declares (`TrustRegion.batch_stats`, e.g. SAT's
+    "sat_threshold"), from `batch_statistics` over every micro-batch of it. None = computed over this call's tokens
+    (right when the call is the whole batch; with micro-batches the mask would depend on the split)."""
+
+
+DEFAULT_SPEC = loss_spec()
+"""`loss_spec()`: DPPO-Binary-TV, δ 0.15, anchor rollout, C 10, seq-mean-token-sum-norm."""
+
+
+def batch_statistics(spec: LossSpec, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The region's batch statistics (`TrustRegion.batch_stats`) from each one's per-token values over the whole
+    optimiser batch (`values[name]`: `BatchStat.values` of every active token, NaN elsewhere, any shape)."""
+    return {name: stat.reduce(values[name], **{p: spec.params[p] for p in stat.params})
+            for name, stat in spec.region.batch_stats.items()}
+
+
+def batch_stat_values(spec: LossSpec, logp: Tensor, anchor_logp: Tensor, response_mask: Tensor) -> dict[str, Tensor]:
+    """Each batch statistic's per-token values [B, T] (detached, NaN at inactive tokens) of one micro-batch: join
+    those of every micro-batch (and rank) of the optimiser batch, then `batch_statistics`."""
+    out = {}
+    with torch.no_grad():
+        for name, stat in spec.region.batch_stats.items():
+            v = stat.values(logp.detach(), anchor_logp.detach())
+            out[name] = torch.where(response_mask.bool(), v, torch.full_like(v, float("nan")))
+    return out
+
+
+def _staleness(staleness: Tensor | None, spec: LossSpec, logp: Tensor) -> Tensor:
+    if staleness is None:
+        raise ValueError(f"staleness: required by trust_region {spec.trust_region!r} ([B, T] version lag of each "
+                         "token, in training steps; 0 = sampled by the weights being trained)")
+    check_tensor("staleness", staleness)
+    if staleness.dim() == 0:
+        staleness = staleness.reshape(1, 1).expand(logp.shape[0], 1)
+    elif staleness.shape == logp.shape[:1]:
+        staleness = staleness[:, None]
+    if staleness.dim() != 2 or staleness.shape[0] != logp.shape[0] or staleness.shape[1] not in (1, logp.shape[1]):
+        raise ValueError(f"staleness: expected shape [B] or [B, T]={tuple(logp.shape)}, got {tuple(staleness.shape)}")
+    return staleness.expand_as(logp)
+
+
+def _region_inputs(spec: LossSpec, inputs: TokenInputs, logp: Tensor, anchor_logp: Tensor,
+                   mask: Tensor) -> dict[str, Tensor]:
+    """The keyword tensors of the region's mask: its per-token inputs and its batch statistics."""
+    region = spec.region
+    out = {}
+    if "staleness" in region.inputs:
+        out["staleness"] = _staleness(inputs.staleness, spec, logp)
+    if region.batch_stats:
+        stats = inputs.batch_stats
+        if stats is None:  # the call is the batch
+            stats = batch_statistics(spec, batch_stat_values(spec, logp, anchor_logp, mask))
+        missing = sorted(set(region.batch_stats) - set(stats))
+        if missing:
+            raise ValueError(f"batch_stats: {missing[0]} required by trust_region {spec.trust_region!r} (a statistic "
+                             "of the whole optimiser batch: dppo.losses.batch_statistics)")
+        out.update({name: stats[name] for name in region.batch_stats})
+    return out
+
+
+def _anchor(spec: LossSpec, inputs: TokenInputs, logp: Tensor, rollout_logp: Tensor) -> Tensor:
+    if spec.region.needs_topk:
+        if inputs.divergence is None:
+            raise ValueError(f"divergence: required by trust_region {spec.trust_region!r} ([B, T] Top-K estimate)")
+        check_same("divergence", inputs.divergence, "logp", logp, dtype=False)
+    if spec.anchor == "rollout":
+        return rollout_logp.detach()
+    if inputs.old_logp is None:
+        raise ValueError("old_logp: required when anchor='recompute' ([B, T] log-probs of the pre-update policy)")
+    check_same("old_logp", inputs.old_logp, "logp", logp, dtype=False)
+    return inputs.old_logp.detach()
+
+
 def policy_loss(
     logp: Tensor,
     rollout_logp: Tensor,
     adv: Tensor,
     response_mask: Tensor,
+    spec: LossSpec = DEFAULT_SPEC,
+    inputs: TokenInputs | None = None,
     *,
-    trust_region: str = "dppo_binary_tv",
-    delta_low: float | None = None,
-    delta_high: float | None = None,
-    eps_low: float | None = None,
-    eps_high: float | None = None,
-    is_cap: float = 10.0,
-    aggregation: str = "seq-mean-token-sum-norm",
-    divergence: Tensor | None = None,
-    old_logp: Tensor | None = None,
-    anchor: str = "rollout",
     max_response_len: int | None = None,
     denominator: Tensor | float | None = None,
-    staleness: Tensor | None = None,
-    sequence_mask: str = "none",
-    sequence_delta: float | None = None,
-    sequence_unit: str = "response",
-    sequence_sides: str = "both",
-    turn_index: Tensor | None = None,
-    n_turns: int | None = None,
-    **region_kwargs: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The masked importance-weighted surrogate (Eq. 23), aggregated to a scalar.
 
@@ -146,75 +228,24 @@ def policy_loss(
         rollout_logp: [B, T] log µ(a_t|s_t) recorded by the engine (any float dtype; detached).
         adv: [B] (sequence-level) or [B, T] advantages.
         response_mask: [B, T] bool, True = the token counts.
-        trust_region: a name in `TRUST_REGIONS`.
-        delta_low, delta_high: divergence thresholds of the DPPO/CPPO regions (None = the region's default:
-            0.15 for TV, 0.05 for KL). eps_low, eps_high: ratio-clip ε of the PPO regions (default 0.2/0.28).
-        is_cap: C in min(r, C); float("inf") = uncapped.
-        divergence: [B, T] precomputed divergence, required by the Top-K regions (compute it against the
-            same anchor as the mask: µ's top-K cells for "rollout", π_old's values for "recompute").
-        old_logp: [B, T] recomputed log π_old; required when anchor="recompute".
-        anchor: "rollout" (mask against µ, the default) or "recompute" (mask against π_old; the importance
-            weight stays π/µ).
+        spec: the resolved settings (`dppo.loss_spec.loss_spec`): trust region and its parameters, anchor, is_cap C in
+            min(r, C), aggregation, and the sequence mask (`dppo.sequence_mask`: also drop every token of a unit — a
+            response, or a turn with sequence_unit "turn" and `inputs.turn_index` — whose statistic against the mask's
+            anchor exceeds sequence_delta; max_divergence reads the trust region's own per-token divergence,
+            Binary-TV when the region has none).
+        inputs: the per-token inputs the spec needs (`TokenInputs`: the Top-K divergence, π_old's log-probs,
+            staleness, turns, the optimiser batch's statistics); None = none.
         max_response_len, denominator: see `aggregate`.
-        staleness: [B, T] (or [B], or one value) each token's version lag τ_t in training steps; required by the
-            regions whose `TRUST_REGIONS[name].inputs` name it (dppo_stale_*), ignored by the others.
-        sequence_mask: a name in `dppo.sequence_mask.SEQUENCE_MASKS` ("none", "max_divergence", "mean_k3",
-            "mean_k1"): also drop every token of a unit (a response; a turn with sequence_unit="turn" and
-            `turn_index`) whose statistic against the mask's anchor exceeds sequence_delta (default
-            `SEQUENCE_DELTAS[sequence_mask]`); sides "both" or "negative" (only units with Â < 0). max_divergence
-            reads the trust region's own per-token divergence (Binary-TV when the region has none).
-        turn_index, n_turns: [B, T] turn of each token and an upper bound of the turn count (sequence_unit "turn").
-        **region_kwargs: the other parameters of the trust region, by name (relax_alpha, relax_side of the
-            relax-α ablation, CPPO's cppo_*, pg_is_neg_mask's neg_delta: `TRUST_REGIONS[name].params` lists
-            each with its default and check). A name no trust region takes is an error; one that only other
-            regions take is ignored, so one set of loss settings serves every region.
 
     Returns (loss scalar, metrics): metrics are detached scalar tensors — masked_frac, masked_frac_pos,
     masked_frac_neg (over active tokens, all/Â>0/Â<0), ratio_mean, ratio_max, ratio_above_cap_frac, and
     the counts n_tokens, n_pos, n_neg to weight them when combining micro-batches, and `keep` itself
     ([B, T] bool, the trust-region mask) for per-token diagnostics.
     """
-    unknown = sorted(set(region_kwargs) - set(all_params()))
-    if unknown:
-        raise ValueError(f"{unknown[0]}: not a parameter of any trust region; valid: {', '.join(sorted(all_params()))}")
-    params = region_params(trust_region, dict(region_kwargs, delta_low=delta_low, delta_high=delta_high,
-                                               eps_low=eps_low, eps_high=eps_high))
-    check_choice("anchor", anchor, ANCHORS)
-    check_choice("aggregation", aggregation, AGGREGATIONS)
-    if not (isinstance(is_cap, (int, float)) and is_cap > 0):
-        raise ValueError(f"is_cap: expected a number > 0 (float('inf') for no cap), got {is_cap!r}")
+    inputs = TokenInputs() if inputs is None else inputs
     adv = _check_inputs(logp, rollout_logp, adv, response_mask)
-    if needs_topk(trust_region):
-        if divergence is None:
-            raise ValueError(f"divergence: required by trust_region {trust_region!r} ([B, T] Top-K estimate)")
-        check_same("divergence", divergence, "logp", logp, dtype=False)
-    check_choice("sequence_mask", sequence_mask, SEQUENCE_MASKS)
-    check_choice("sequence_unit", sequence_unit, SEQUENCE_UNITS)
-    if sequence_mask != "none":
-        sequence_delta = SEQUENCE_DELTAS[sequence_mask] if sequence_delta is None else sequence_delta
-        if not (isinstance(sequence_delta, (int, float)) and math.isfinite(sequence_delta)):
-            raise ValueError(f"sequence_delta: expected a finite number, got {sequence_delta!r}")
-    inputs = {}
-    if "staleness" in region_inputs(trust_region):
-        if staleness is None:
-            raise ValueError(f"staleness: required by trust_region {trust_region!r} ([B, T] version lag of each token, "
-                             "in training steps; 0 = sampled by the weights being trained)")
-        check_tensor("staleness", staleness)
-        if staleness.dim() == 0:
-            staleness = staleness.reshape(1, 1).expand(logp.shape[0], 1)
-        elif staleness.shape == logp.shape[:1]:
-            staleness = staleness[:, None]
-        if staleness.dim() != 2 or staleness.shape[0] != logp.shape[0] or staleness.shape[1] not in (1, logp.shape[1]):
-            raise ValueError(f"staleness: expected shape [B] or [B, T]={tuple(logp.shape)}, got {tuple(staleness.shape)}")
-        inputs["staleness"] = staleness.expand_as(logp)
-    if anchor == "recompute":
-        if old_logp is None:
-            raise ValueError("old_logp: required when anchor='recompute' ([B, T] log-probs of the pre-update policy)")
-        check_same("old_logp", old_logp, "logp", logp, dtype=False)
-        anchor_logp = old_logp.detach()
-    else:
-        anchor_logp = rollout_logp.detach()
-    mask = response_mask.bool()
+    anchor_logp = _anchor(spec, inputs, logp, rollout_logp)
+    mask, divergence, is_cap = response_mask.bool(), inputs.divergence, spec.is_cap
 
     dtype = _compute_dtype(logp)
     with torch.no_grad():
@@ -224,30 +255,34 @@ def policy_loss(
         weight = ratio.clamp(max=is_cap) if math.isfinite(is_cap) else ratio
         adv_c = adv.detach().to(dtype)
         anchor_d = anchor_logp.to(dtype)
-        keep = TRUST_REGIONS[trust_region].fn(logp_d, anchor_d, adv_c, mask, divergence, **inputs, **params)
+        keyword = _region_inputs(spec, inputs, logp_d, anchor_d, mask)
+        keep = spec.region.fn(logp_d, anchor_d, adv_c, mask, divergence, **keyword, **spec.params)
         seq_stats = {}
-        if sequence_mask != "none":
-            units = turn_index if sequence_unit == "turn" else None
-            seq_keep, _ = sequence_keep(logp_d, anchor_d, adv_c, mask, statistic=sequence_mask,
-                                        delta=sequence_delta, sides=sequence_sides, turn_index=units, n_turns=n_turns,
-                                        divergence=_token_divergence(trust_region, logp_d, anchor_d, divergence))
-            seq_stats = {f"seq_{k}": v for k, v in unit_shares(seq_keep, adv_c, mask, units, n_turns).items()}
+        if spec.sequence_mask != "none":
+            seq_keep, seq_stats = _sequence_keep(spec, inputs, logp_d, anchor_d, adv_c, mask)
             keep = keep & seq_keep
         coef = keep.to(dtype) * weight * adv_c
-        if divergence is not None and needs_topk(trust_region):
+        if divergence is not None and spec.region.needs_topk:
             # A NaN divergence never masks (comparisons are False); make it poison the loss instead.
             coef = torch.where(torch.isnan(divergence), torch.full_like(coef, float("nan")), coef)
         # Padding gets coefficient 0, so garbage there (NaN/inf µ or Â) cannot reach logp's gradient.
         coef = torch.where(mask, coef, torch.zeros_like(coef))
 
     loss_tok = -(coef * logp.to(dtype))
-    loss = aggregate(loss_tok, mask, aggregation, max_response_len=max_response_len, denominator=denominator)
+    loss = aggregate(loss_tok, mask, spec.aggregation, max_response_len=max_response_len, denominator=denominator)
     return loss, {**_metrics(mask, keep, adv_c, ratio, is_cap), **seq_stats}
 
 
-SEQUENCE_DELTAS = {"max_divergence": 0.2, "mean_k3": 0.1, "mean_k1": 0.05}
-"""The default sequence_delta per sequence mask: max_divergence and mean_k3 tuned on seed 0 of the lag-4 study of
-docs/paper.md (grids 0.2/0.35/0.5 and 0.02/0.05/0.1); mean_k1 not tuned."""
+def _sequence_keep(spec: LossSpec, inputs: TokenInputs, logp: Tensor, anchor_logp: Tensor, adv: Tensor,
+                   mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The sequence mask's keep [B, T] and what it removed (`unit_shares`, keys prefixed "seq_")."""
+    units = inputs.turn_index if spec.sequence_unit == "turn" else None
+    seq_keep, _ = sequence_keep(logp, anchor_logp, adv, mask, statistic=spec.sequence_mask,
+                                delta=spec.sequence_delta, sides=spec.sequence_sides, turn_index=units,
+                                n_turns=inputs.n_turns,
+                                divergence=_token_divergence(spec.trust_region, logp, anchor_logp, inputs.divergence))
+    shares = unit_shares(seq_keep, adv, mask, units, inputs.n_turns)
+    return seq_keep, {f"seq_{k}": v for k, v in shares.items()}
 
 
 def _token_divergence(trust_region: str, logp: Tensor, anchor_logp: Tensor, divergence: Tensor | None) -> Tensor:
@@ -320,27 +355,21 @@ def drpo_loss(
     return loss, metrics
 
 
-def _drpo(logp, rollout_logp, adv, response_mask, *, aggregation="seq-mean-token-sum-norm", max_response_len=None,
-          denominator=None, drpo_delta=0.15, divergence=None, old_logp=None, sequence_mask="none", **_other_settings):
-    """`drpo_loss` under the LOSSES signature (drpo has no mask: the trust-region settings do not apply)."""
-    if old_logp is not None:
-        raise ValueError("old_logp: drpo has no mask to anchor; use anchor='rollout'")
-    if sequence_mask != "none":
-        raise ValueError("sequence_mask: drpo has no mask to combine a sequence mask with; use sequence_mask='none'")
-    return drpo_loss(logp, rollout_logp, adv, response_mask, delta=drpo_delta, aggregation=aggregation,
+def _drpo(logp: Tensor, rollout_logp: Tensor, adv: Tensor, response_mask: Tensor, spec: LossSpec = DEFAULT_SPEC,
+          inputs: TokenInputs | None = None, *, max_response_len: int | None = None,
+          denominator: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """`drpo_loss` under the LOSSES signature: δ = spec.drpo_delta, spec.aggregation; DRPO has no mask, so the trust
+    region's settings and the per-token inputs do not apply (`loss_spec` refuses a recompute anchor or a sequence
+    mask with it)."""
+    return drpo_loss(logp, rollout_logp, adv, response_mask, delta=spec.drpo_delta, aggregation=spec.aggregation,
                      max_response_len=max_response_len, denominator=denominator)
 
 
-def _masked_is(logp, rollout_logp, adv, response_mask, *, drpo_delta=None, **settings):
-    """`policy_loss` under the LOSSES signature (DRPO's δ does not apply)."""
-    return policy_loss(logp, rollout_logp, adv, response_mask, **settings)
-
-
 LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
-    "masked_is": _masked_is,
+    "masked_is": policy_loss,
     "drpo": _drpo,
 }
-"""Every loss has one signature: fn(logp, rollout_logp, adv, response_mask, *, aggregation, max_response_len,
-denominator, divergence, old_logp, staleness, turn_index, n_turns, **settings) -> (loss, metrics), settings being
-the `loss` config section's fields by name (each loss takes those it uses). `masked_is` is Eq. 23 with a trust-region
-mask (every method but DRPO), `drpo` the quadratic penalty."""
+"""Every loss has one signature: fn(logp, rollout_logp, adv, response_mask, spec, inputs, *, max_response_len,
+denominator) -> (loss, metrics), `spec` a `LossSpec` (`loss_spec`: the `loss` config section's settings resolved),
+`inputs` a `TokenInputs`. `masked_is` is Eq. 23 with a trust-region mask (every method but DRPO), `drpo` the
+quadratic penalty; `LOSSES[spec.loss]` is the spec's."""

@@ -27,7 +27,8 @@ from torch import Tensor
 
 from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
 
-__all__ = ["MAXIMA", "MU_BUCKETS", "WEIGHTS", "from_sums", "masked_mu_histogram", "masked_mu_shares", "masked_shares",
+__all__ = ["MAXIMA", "MU_BUCKETS", "NAMES", "SEQUENCE_WEIGHTS", "WEIGHTS", "from_sums", "loss_terms",
+           "masked_mu_histogram", "masked_mu_shares", "masked_shares",
            "merge", "mismatch_split", "mismatch_stats", "per_group_sums", "ratio_stats", "to_sums", "token_mean", "token_mismatch"]
 
 MU_BUCKETS: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 0.5)
@@ -40,6 +41,38 @@ WEIGHTS: dict[str, str] = {
     "ratio_mean": "n_tokens", "ratio_above_cap_frac": "n_tokens", "abs_log_ratio_mean": "n_tokens",
 }
 """Mean key -> the count key that weights it when micro-batches are combined."""
+
+SEQUENCE_WEIGHTS: dict[str, str] = {
+    "seq_removed_frac_pos": "seq_n_units_pos", "seq_removed_frac_neg": "seq_n_units_neg",
+    "seq_removed_token_frac_pos": "seq_n_tokens_pos", "seq_removed_token_frac_neg": "seq_n_tokens_neg",
+}
+"""The same for the sequence mask's shares in a loss's metrics (`dppo.sequence_mask.unit_shares`, keys "seq_...")."""
+
+NAMES: dict[str, str] = {
+    "masked_frac": "trust_region/masked_frac", "ratio_mean": "ratio/mean", "ratio_above_cap_frac": "ratio/above_cap_frac",
+    "masked_frac_pos": "trust_region/masked_frac_pos", "masked_frac_neg": "trust_region/masked_frac_neg",
+    "seq_removed_frac_pos": "trust_region/seq_removed_frac_pos",
+    "seq_removed_frac_neg": "trust_region/seq_removed_frac_neg",
+    "seq_removed_token_frac_pos": "trust_region/seq_removed_token_frac_pos",
+    "seq_removed_token_frac_neg": "trust_region/seq_removed_token_frac_neg",
+    "ratio_max": "ratio/max",
+    "binary_tv_mean": "mismatch/binary_tv_mean", "binary_kl_mean": "mismatch/binary_kl_mean",
+    "log_ratio_gt_log2_frac": "mismatch/log_ratio_gt_log2_frac", "topk_tv_mean": "mismatch/topk_tv_mean",
+    "topk_kl_mean": "mismatch/topk_kl_mean",
+}
+"""The one table of logged names: a statistic's key (of `dppo.losses.policy_loss`'s metrics, `masked_shares`,
+`ratio_stats`, `mismatch_stats`) -> the name it is logged under. `dppo train` logs these names; the TRL adapter logs
+them with the prefix "dppo/" (e.g. "dppo/trust_region/masked_frac"), so one quantity has one name everywhere."""
+
+
+def loss_terms(stats: Mapping[str, Tensor], weights: Mapping[str, str] | None = None):
+    """(logged name, mean, weight) of each mean of a loss's metrics `stats` that `NAMES` names, in `NAMES`' order:
+    what an accumulator adds per micro-batch (sum of mean·weight, sum of weights). Maxima and counts are left out.
+    weights: mean key -> weight key (default `WEIGHTS` and `SEQUENCE_WEIGHTS`)."""
+    weights = {**WEIGHTS, **SEQUENCE_WEIGHTS} if weights is None else weights
+    for key, name in NAMES.items():
+        if key in stats and key in weights:
+            yield name, stats[key], stats[weights[key]]
 
 MAXIMA: tuple[str, ...] = ("ratio_max", "abs_log_ratio_max")
 """Keys combined by maximum."""

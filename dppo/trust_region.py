@@ -16,8 +16,11 @@ its check and its help text (the config fields `loss.<param>` and the CLI flags 
 from them, and `region_params` is the one place they are checked); `divergence` names the estimate the mask
 is defined on ("binary_tv", "binary_kl", "topk_tv", "topk_kl" or None); `needs_topk` says the engine must
 record µ's top-K; `inputs` names the extra per-token tensors the mask takes by keyword ("staleness": each token's
-measured version lag τ_t, in training steps). Adding a trust region is one function and one entry here (`pg_is_neg_mask`, the paper's
-Fig. 5 mask, was added that way); the shared tests are parametrised over this dict.
+measured version lag τ_t, in training steps); `batch_stats` names the statistics of the whole optimiser batch the
+mask takes by keyword (SAT's "sat_threshold": the tail quantile), which `dppo.losses.batch_statistics` computes once
+per optimiser batch so that the mask does not depend on the micro-batch split. Adding a trust region is one function
+and one entry here (`pg_is_neg_mask`, the paper's Fig. 5 mask, was added that way); the shared tests are
+parametrised over this dict.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ __all__ = [
     "dppo_sat_kl",
     "region_params",
     "region_inputs",
+    "BatchStat",
     "needs_topk",
     "DEFAULT_TOP_K",
 ]
@@ -177,41 +181,57 @@ def dppo_stale_kl(logp, anchor_logp, adv, response_mask, divergence, *, stalenes
                       stale_delta(delta_low, s, stale_alpha), stale_delta(delta_high, s, stale_alpha))
 
 
-def sat_tail(logp: Tensor, anchor_logp: Tensor, response_mask: Tensor, quantile: float) -> Tensor:
-    """The batch's high-staleness tail: active tokens whose |sg(log π − log anchor)| is strictly above the
-    `quantile`-quantile of that value over the call's active tokens ([B, T] bool; none when all are equal)."""
+def sat_values(logp: Tensor, anchor_logp: Tensor) -> Tensor:
+    """|log π − log anchor| per token, in at least float32: the value whose batch quantile `sat_threshold` takes."""
     x = (logp - anchor_logp).abs()
-    active = torch.where(response_mask.bool(), x, torch.full_like(x, float("nan")))
-    if active.dtype not in (torch.float32, torch.float64):
-        active = active.float()
-    threshold = torch.nanquantile(active.reshape(-1), quantile).to(x.dtype)  # NaN when no active token
-    return response_mask.bool() & (x > threshold)
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def _sat_keep(logp, anchor_logp, adv, response_mask, div, delta_low, delta_high, sat_quantile, sat_shrink) -> Tensor:
-    tail = sat_tail(logp, anchor_logp, response_mask, sat_quantile)
+def sat_threshold(values: Tensor, *, sat_quantile: float) -> Tensor:
+    """The `sat_quantile`-quantile of `values` ([...], NaN = not an active token, ignored): a scalar tensor, NaN when
+    no value is active. Over a whole optimiser batch, it is the batch statistic the SAT-like masks read."""
+    return torch.nanquantile(values.reshape(-1), sat_quantile)
+
+
+def sat_tail(logp: Tensor, anchor_logp: Tensor, response_mask: Tensor, quantile: float,
+             threshold: Tensor | None = None) -> Tensor:
+    """The batch's high-staleness tail: active tokens whose |sg(log π − log anchor)| is strictly above `threshold`,
+    the `quantile`-quantile of that value over the optimiser batch's active tokens (`sat_threshold`; None = over this
+    call's active tokens: the call is the batch). [B, T] bool; none when all are equal."""
+    x = (logp - anchor_logp).abs()
+    if threshold is None:
+        active = torch.where(response_mask.bool(), sat_values(logp, anchor_logp), torch.full_like(x, float("nan")))
+        threshold = sat_threshold(active, sat_quantile=quantile)  # NaN when no active token
+    return response_mask.bool() & (x > threshold.to(x.dtype))
+
+
+def _sat_keep(logp, anchor_logp, adv, response_mask, div, delta_low, delta_high, sat_quantile, sat_shrink,
+              sat_threshold) -> Tensor:
+    tail = sat_tail(logp, anchor_logp, response_mask, sat_quantile, sat_threshold)
     shrink = torch.where(tail, torch.full_like(div, sat_shrink), torch.ones_like(div))
     return _dppo_keep(logp, anchor_logp, adv, div, delta_low * shrink, delta_high * shrink)
 
 
 @torch.no_grad()
 def dppo_sat_tv(logp, anchor_logp, adv, response_mask, divergence, *, delta_low: float, delta_high: float,
-                sat_quantile: float, sat_shrink: float) -> Tensor:
+                sat_quantile: float, sat_shrink: float, sat_threshold: Tensor | None = None) -> Tensor:
     """SAT-like DPPO-Binary-TV (the tail detection follows "Stale but Stable", arXiv 2607.18722, whose abstract is all
     that is public; the kernel is this project's): tokens in the batch's tail of |sg(log π − log µ)| (`sat_tail`,
     above its `sat_quantile`-quantile) get the side of the region the advantage pushes against contracted,
     δ_high → κ δ_high where Â > 0 (the upper side: π(a_t) rising) and δ_low → κ δ_low where Â < 0 (the lower side);
-    every other token keeps DPPO's δ. κ = `sat_shrink`; κ = 1, or an empty tail, is DPPO-Binary-TV."""
+    every other token keeps DPPO's δ. κ = `sat_shrink`; κ = 1, or an empty tail, is DPPO-Binary-TV. `sat_threshold`:
+    the quantile over the whole optimiser batch (the batch statistic of the region's `TrustRegion.batch_stats`, which
+    `dppo.losses.policy_loss` takes in `TokenInputs.batch_stats`); None = over this call's tokens."""
     return _sat_keep(logp, anchor_logp, adv, response_mask, binary_tv(logp, anchor_logp), delta_low, delta_high,
-                     sat_quantile, sat_shrink)
+                     sat_quantile, sat_shrink, sat_threshold)
 
 
 @torch.no_grad()
 def dppo_sat_kl(logp, anchor_logp, adv, response_mask, divergence, *, delta_low: float, delta_high: float,
-                sat_quantile: float, sat_shrink: float) -> Tensor:
+                sat_quantile: float, sat_shrink: float, sat_threshold: Tensor | None = None) -> Tensor:
     """SAT-like DPPO-Binary-KL: `dppo_sat_tv` on Binary-KL(anchor‖π)."""
     return _sat_keep(logp, anchor_logp, adv, response_mask, binary_kl(logp, anchor_logp), delta_low, delta_high,
-                     sat_quantile, sat_shrink)
+                     sat_quantile, sat_shrink, sat_threshold)
 
 
 class Param(NamedTuple):
@@ -256,6 +276,20 @@ _SAT = {
 }
 
 
+class BatchStat(NamedTuple):
+    """A statistic of the whole optimiser (mini-)batch that a region's mask reads by keyword (e.g. SAT's tail
+    quantile): `values(logp, anchor_logp)` gives each token's value [B, T] (at least float32), `reduce(values,
+    **params)` the statistic (a scalar tensor) of the active tokens' values (NaN = not active; over every micro-batch
+    and rank), `params` the region parameters `reduce` takes."""
+
+    values: Callable[[Tensor, Tensor], Tensor]
+    reduce: Callable[..., Tensor]
+    params: tuple[str, ...]
+
+
+_SAT_STATS = {"sat_threshold": BatchStat(sat_values, sat_threshold, ("sat_quantile",))}
+
+
 class TrustRegion(NamedTuple):
     """Everything about a trust region: its mask, its parameters, the divergence it is defined on, and whether the
     engine must record µ's top-K log-probs for it."""
@@ -269,6 +303,10 @@ class TrustRegion(NamedTuple):
     """True when the mask reads a caller-computed Top-K `divergence`: the engine records µ's top-K log-probs."""
     inputs: tuple[str, ...] = ()
     """Extra [B, T] tensors the mask takes by keyword: "staleness" = each token's version lag τ_t (training steps)."""
+    batch_stats: dict[str, BatchStat] = {}
+    """Statistics of the whole optimiser batch the mask takes by keyword (name -> BatchStat): computed once per
+    optimiser batch over all its active tokens and passed to every micro-batch (`dppo.losses.batch_statistics`), so
+    the mask does not depend on how the batch is split."""
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -303,8 +341,8 @@ TRUST_REGIONS: dict[str, TrustRegion] = {
                                  inputs=("staleness",)),
     "dppo_stale_kl": TrustRegion(dppo_stale_kl, {**_dppo(0.05), "stale_alpha": _STALE_ALPHA}, "binary_kl",
                                  inputs=("staleness",)),
-    "dppo_sat_tv": TrustRegion(dppo_sat_tv, {**_dppo(0.15), **_SAT}, "binary_tv"),
-    "dppo_sat_kl": TrustRegion(dppo_sat_kl, {**_dppo(0.05), **_SAT}, "binary_kl"),
+    "dppo_sat_tv": TrustRegion(dppo_sat_tv, {**_dppo(0.15), **_SAT}, "binary_tv", batch_stats=_SAT_STATS),
+    "dppo_sat_kl": TrustRegion(dppo_sat_kl, {**_dppo(0.05), **_SAT}, "binary_kl", batch_stats=_SAT_STATS),
 }
 
 DEFAULT_TOP_K = 20

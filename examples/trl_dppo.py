@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     for i, h in enumerate(logs, 1):
-        print(f"step {i}: reward {h['reward']:.3f}  masked {h['dppo/masked_frac']:.4f}  "
-              f"|π−µ| {h['dppo/mismatch/tv_mean']:.2e}  length {h['completions/mean_length']:.1f}")
+        print(f"step {i}: reward {h['reward']:.3f}  masked {h['dppo/trust_region/masked_frac']:.4f}  "
+              f"|π−µ| {h['dppo/mismatch/binary_tv_mean']:.2e}  length {h['completions/mean_length']:.1f}")
     return [h["reward"] for h in logs]
 
 

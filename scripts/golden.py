@@ -145,8 +145,18 @@ def _machine() -> dict:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
+RENAMED = {f"dppo/{old}": f"dppo/{new}" for old, new in {
+    "masked_frac": "trust_region/masked_frac", "masked_frac_pos": "trust_region/masked_frac_pos",
+    "masked_frac_neg": "trust_region/masked_frac_neg", "ratio_mean": "ratio/mean", "ratio_max": "ratio/max",
+    "ratio_above_cap_frac": "ratio/above_cap_frac", "mismatch/tv_mean": "mismatch/binary_tv_mean",
+    "mismatch/kl_mean": "mismatch/binary_kl_mean"}.items()}
+"""Metric keys renamed on purpose since the golden was recorded (issue 31: one quantity, one name — the TRL adapter
+logs `dppo train`'s names behind `dppo/`): a golden value under the old key is compared with the new key."""
+
+
 def _compare(name: str, want: dict, got: dict) -> list[str]:
     problems = []
+    want = {**want, "steps": [{RENAMED.get(k, k): v for k, v in step.items()} for step in want["steps"]]}
     if len(want["steps"]) != len(got["steps"]):
         problems.append(f"{name}: {len(got['steps'])} steps, golden {len(want['steps'])}")
     for i, (w, g) in enumerate(zip(want["steps"], got["steps"])):

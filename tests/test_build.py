@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 
 import pytest
@@ -26,6 +27,24 @@ def test_the_resolved_config_names_every_value_the_run_uses(region, tmp_path):
     assert resolve_config(resolved) == resolved  # idempotent: a resumed run resolves to the same values
     resolved.save(tmp_path / "config.yaml")
     assert Config.load(tmp_path / "config.yaml") == resolved  # what the run directory holds is what a resume reads
+
+
+@pytest.mark.parametrize("loss, sequence_delta", [({}, math.inf), ({"sequence_mask": "mean_k3"}, 0.1),
+                                                   ({"sequence_mask": "max_divergence", "sequence_delta": 0.3}, 0.3),
+                                                   ({"loss": "drpo"}, math.inf)])
+def test_the_resolved_loss_leaves_no_default_unset(loss, sequence_delta, tmp_path):
+    """config.yaml records the sequence mask's δ (∞ for "none": no unit is dropped) and DRPO's δ as the run uses
+    them (`LossConfig.spec`), and the file reads back to the same spec."""
+    cfg = replace(get_preset("smoke"), loss=loss, rollout={"engine": "hf", "dtype": "float32"})
+    resolved = resolve_config(cfg)
+    assert resolved.loss.sequence_delta == sequence_delta and resolved.loss.drpo_delta == 0.15
+    assert resolved.loss.spec() == cfg.loss.spec()  # resolving writes out the values; it changes none
+    resolved.save(tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    loss_part = text[text.index("loss:"):text.index("advantage:")]
+    for name in ("sequence_delta", "drpo_delta", "delta_low", "delta_high"):
+        assert f"{name}: null" not in loss_part, name
+    assert Config.load(tmp_path / "config.yaml").loss.spec() == cfg.loss.spec()
 
 
 def test_given_values_survive_resolution():

@@ -28,13 +28,15 @@ QUIET = ["--log.no-progress", "--log.no-tensorboard", "--train.no-eval-before"]
 
 # (strategy, trust region, mini-batches, grad clip, aggregation, model options): clip 0 compares raw gradients;
 # clip 0.05 is active. The last two are the option cross-product's 2-process cells: FSDP2 with gradient
-# checkpointing (the packed layout on every rank) and DDP with LoRA.
+# checkpointing (the packed layout on every rank) and DDP with LoRA. The last one is SAT, whose tail quantile is a
+# statistic of the global mini-batch (gathered from every rank: `Trainer._batch_stats`).
 CASES = [("ddp", "dppo_binary_tv", 1, 0.0, "seq-mean-token-sum-norm", ()),
          ("fsdp2", "dppo_binary_tv", 2, 0.0, "seq-mean-token-sum-norm", ()),
          ("ddp", "ppo_clip", 2, 0.05, "token-mean", ()),
          ("fsdp2", "ppo_clip", 1, 0.05, "token-mean", ()),
          ("fsdp2", "dppo_binary_kl", 1, 0.0, "seq-mean-token-sum-norm", (("gradient_checkpointing", True),)),
-         ("ddp", "dppo_binary_tv", 1, 0.0, "token-mean", (("lora_rank", 4),))]
+         ("ddp", "dppo_binary_tv", 1, 0.0, "token-mean", (("lora_rank", 4),)),
+         ("ddp", "dppo_sat_tv", 2, 0.0, "seq-mean-token-sum-norm", ())]
 P, G, W = 8, 4, 2
 
 
@@ -44,7 +46,10 @@ def _case_config(case, run_dir):
 
     strategy, region, M, clip, agg, model = case
     return replace(get_preset("smoke"), model=dict(model), rollout={"prompts_per_step": P, "group_size": G},
-                   loss={"trust_region": region, "aggregation": agg}, optim={"grad_clip": clip},
+                   # SAT: κ = 0 and the tail above the median, so that a quantile taken per rank masks other tokens
+                   loss={"trust_region": region, "aggregation": agg,
+                         **({"sat_shrink": 0.0, "sat_quantile": 0.5} if region.startswith("dppo_sat") else {})},
+                   optim={"grad_clip": clip},
                    train={"mini_batches": M, "micro_batch_size": 4, "distributed": strategy, "dist_timeout_s": 60},
                    log={"run_dir": str(run_dir), "tensorboard": False, "progress": False})
 

@@ -18,7 +18,7 @@ import torch
 
 from dppo.envs import ENVIRONMENTS, make_environment
 from dppo.example import Example
-from dppo.losses import LOSSES
+from dppo.losses import LOSSES, loss_spec
 from dppo.rollout.base import SamplingParams
 from dppo.rewards.runner import NonFiniteRewardError, RewardRunner
 from dppo.rollout.episodes import (ChatDelta, EpisodeCollector, EpisodeSpec, SingleTurnEnv, engine_prompts,
@@ -124,8 +124,8 @@ def test_environment_tokens_get_exactly_zero_gradient_and_count_in_no_denominato
     adv = torch.tensor([1.0, -0.5, 0.25, -2.0])
     logp = score_responses(model, batch.prompt_ids, batch.response_ids, batch.response_mask).logp
     logp = logp.detach().requires_grad_(True)
-    loss, stats = LOSSES["masked_is"](logp, batch.rollout_logp, adv, batch.loss_mask, trust_region="dppo_binary_tv",
-                                      aggregation=aggregation)
+    spec = loss_spec(trust_region="dppo_binary_tv", aggregation=aggregation)
+    loss, stats = LOSSES["masked_is"](logp, batch.rollout_logp, adv, batch.loss_mask, spec)
     (grad,) = torch.autograd.grad(loss, logp)
     env = batch.response_mask & ~batch.loss_mask
     assert env.any() and torch.equal(grad[env], torch.zeros(int(env.sum())))
@@ -141,8 +141,7 @@ def test_environment_tokens_get_exactly_zero_gradient_and_count_in_no_denominato
     assert float(stats["n_tokens"]) == float(batch.loss_mask.sum())
     # whatever sits under the environment tokens (µ, π) cannot reach the loss
     poisoned = batch.rollout_logp.masked_fill(env, 7.0)
-    again, _ = LOSSES["masked_is"](logp.masked_fill(env, -50.0), poisoned, adv, batch.loss_mask,
-                                   trust_region="dppo_binary_tv", aggregation=aggregation)
+    again, _ = LOSSES["masked_is"](logp.masked_fill(env, -50.0), poisoned, adv, batch.loss_mask, spec)
     assert float(again) == float(loss)
 
 

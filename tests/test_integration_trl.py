@@ -21,7 +21,8 @@ import torch
 
 from conftest import VLLM_MARKS
 from dppo.divergence import topk_kl, topk_tv
-from dppo.losses import policy_loss
+from dppo.losses import TokenInputs, loss_spec, policy_loss
+from dppo.metrics import NAMES
 from dppo.trust_region import TRUST_REGIONS
 
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason=(
@@ -120,13 +121,15 @@ def test_dppo_imports_without_trl():
 # --------------------------------------------------------------------------------------------------- config
 @needs_trl
 def test_config_defaults_are_dppos(integ, tmp_path):
-    """Defaults come from dppo's own loss config and the registry; loss_type maps to a dppo aggregation."""
+    """Defaults come from dppo's own loss config and the registry (the same `loss_spec` builds both specs); loss_type
+    maps to a dppo aggregation."""
     from dppo.train.config import LossConfig
 
     cfg = integ.DPPOConfig(output_dir=str(tmp_path), use_cpu=True)
     ref = LossConfig()
     assert (cfg.trust_region, cfg.is_cap, cfg.anchor) == (ref.trust_region, ref.is_cap, ref.anchor)
     assert cfg.region_settings() == {"delta_low": 0.15, "delta_high": 0.15}
+    assert cfg.spec() == LossConfig(aggregation="token-mean").spec()  # TRL's default loss_type "dapo": token-mean
     assert cfg.resolved_top_k_logprobs == 0 and cfg.aggregation == "token-mean"  # TRL's default loss_type "dapo"
     assert cfg.vllm_importance_sampling_correction is False
     topk = integ.DPPOConfig(output_dir=str(tmp_path), use_cpu=True, trust_region="dppo_topk_kl", loss_type="dr_grpo",
@@ -135,6 +138,21 @@ def test_config_defaults_are_dppos(integ, tmp_path):
     assert topk.aggregation == "seq-mean-token-sum-norm"
     clip = integ.DPPOConfig(output_dir=str(tmp_path), use_cpu=True, trust_region="ppo_clip")
     assert clip.region_settings() == {"eps_low": 0.2, "eps_high": 0.28}
+
+
+def test_the_adapters_import_nothing_from_the_trainer():
+    """dppo.integrations (TRL, verl) needs only the library: no import of dppo.train, lazy ones included."""
+    import ast
+    from pathlib import Path
+
+    import dppo.integrations
+
+    root = Path(dppo.integrations.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "dppo.train" or n.startswith("dppo.train.") for n in names), (path.name, node.lineno)
 
 
 @needs_trl
@@ -148,6 +166,9 @@ def test_config_defaults_are_dppos(integ, tmp_path):
     ({"trust_region": "ppo_clip_relax"}, "relax_alpha"),
     ({"trust_region": "ppo_clip_relax", "relax_alpha": 0.1, "relax_side": "up"}, "relax_side"),
     ({"cppo_w_min": 2.0}, "cppo_w_min"),
+    # SAT's tail quantile is a statistic of the optimiser batch: one micro-batch per optimiser step only
+    ({"trust_region": "dppo_sat_tv", "gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
+    ({"trust_region": "dppo_sat_kl", "gradient_accumulation_steps": 4}, "gradient_accumulation_steps"),
     ({"top_k_logprobs": -1}, "top_k_logprobs"),
     ({"trust_region": "dppo_topk_tv", "top_k_logprobs": 0}, "top_k_logprobs"),
     ({"trust_region": "dppo_topk_tv", "top_p": 0.9}, "top_p"),
@@ -322,8 +343,11 @@ def reference_loss(model, out, region: str, temperature: float, **settings) -> t
         cells = logp_full.detach().gather(-1, out["rollout_topk_ids"])
         fn = {"topk_tv": topk_tv, "topk_kl": topk_kl}[TRUST_REGIONS[region].divergence]
         divergence = fn(cells, out["rollout_topk_logp"], out["rollout_topk_valid"])
+    stale = settings.pop("staleness", None)
+    call = {k: settings.pop(k) for k in ("denominator", "max_response_len") if k in settings}
     return policy_loss(logp, out["sampling_per_token_logps"], out["advantages"], out["completion_mask"].bool(),
-                       trust_region=region, divergence=divergence, **settings)
+                       loss_spec(trust_region=region, **settings), TokenInputs(divergence=divergence, staleness=stale),
+                       **call)
 
 
 def grads(model) -> dict[str, torch.Tensor]:
@@ -369,7 +393,8 @@ def test_loss_and_gradient_equal_policy_loss(make_trainer, region):
             assert not torch.equal(fresh["keep"], stats["keep"]), "the lags must change the mask"
         logged = trainer._metrics["train"]
         for name in ("masked_frac", "masked_frac_pos", "masked_frac_neg", "ratio_mean", "ratio_above_cap_frac"):
-            assert logged[f"dppo/{name}"][-1] == pytest.approx(stats[name].item(), rel=1e-5, abs=1e-7), name
+            # dppo train's name (`dppo.metrics.NAMES`) behind TRL's prefix
+            assert logged[f"dppo/{NAMES[name]}"][-1] == pytest.approx(stats[name].item(), rel=1e-5, abs=1e-7), name
         assert logged["clip_ratio/high_mean"][-1] == pytest.approx((stats["masked_frac_pos"] * stats["n_pos"]
                                                                    / stats["n_tokens"]).item(), rel=1e-5)
     torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-7)
@@ -436,10 +461,10 @@ def test_topk_tv_run_through_dppo_rollout_func(integ, make_trainer, engine, anch
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
     assert len(logs) == 3
     for i, h in enumerate(logs):
-        assert math.isfinite(h["loss"]) and {"dppo/mismatch/topk_tv_mean", "dppo/masked_frac_pos", "clip_ratio/low_mean",
+        assert math.isfinite(h["loss"]) and {"dppo/mismatch/topk_tv_mean", "dppo/trust_region/masked_frac_pos", "clip_ratio/low_mean",
                                              "sampling/sampling_logp_difference/mean", "entropy"} <= h.keys()
         if i % steps_per_generation == 0:
-            assert h["dppo/mismatch/topk_tv_mean"] < 1e-5 and h["dppo/masked_frac"] == 0
+            assert h["dppo/mismatch/topk_tv_mean"] < 1e-5 and h["dppo/trust_region/masked_frac"] == 0
     moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert len(moved) == len(before)
     assert syncs == len(range(0, 3, steps_per_generation)) - 1  # one weight sync before each later generation
@@ -461,9 +486,9 @@ def test_staleness_is_the_steps_since_the_generation(make_trainer):
     weights."""
     binary = pushed_past_delta(make_trainer, trust_region="dppo_binary_tv")
     stale = pushed_past_delta(make_trainer, trust_region="dppo_stale_tv", stale_alpha=4.0)
-    assert stale[0]["loss"] == binary[0]["loss"] and stale[0]["dppo/masked_frac"] == 0
-    assert stale[1]["dppo/mismatch/tv_mean"] == pytest.approx(binary[1]["dppo/mismatch/tv_mean"])
-    assert stale[1]["dppo/masked_frac"] > binary[1]["dppo/masked_frac"] > 0
+    assert stale[0]["loss"] == binary[0]["loss"] and stale[0]["dppo/trust_region/masked_frac"] == 0
+    assert stale[1]["dppo/mismatch/binary_tv_mean"] == pytest.approx(binary[1]["dppo/mismatch/binary_tv_mean"])
+    assert stale[1]["dppo/trust_region/masked_frac"] > binary[1]["dppo/trust_region/masked_frac"] > 0
 
 
 @needs_trl
@@ -471,13 +496,13 @@ def test_masked_fractions_when_pushed_past_delta(make_trainer):
     """Two optimiser steps per generation at a large learning rate: the first (on-policy, µ = π) masks nothing; the
     second, after the policy moved past δ, masks tokens and says so under TRL's and dppo's names."""
     first, second = pushed_past_delta(make_trainer, trust_region="dppo_binary_tv")
-    assert first["dppo/masked_frac"] == first["clip_ratio/region_mean"] == 0
-    assert first["dppo/mismatch/tv_mean"] < 1e-5
-    assert second["dppo/mismatch/tv_mean"] > 0.05
-    masked = second["dppo/masked_frac"]
+    assert first["dppo/trust_region/masked_frac"] == first["clip_ratio/region_mean"] == 0
+    assert first["dppo/mismatch/binary_tv_mean"] < 1e-5
+    assert second["dppo/mismatch/binary_tv_mean"] > 0.05
+    masked = second["dppo/trust_region/masked_frac"]
     assert masked > 0 and second["clip_ratio/region_mean"] == pytest.approx(masked)
     assert second["clip_ratio/high_mean"] + second["clip_ratio/low_mean"] == pytest.approx(masked)
-    assert max(second["dppo/masked_frac_pos"], second["dppo/masked_frac_neg"]) > 0
+    assert max(second["dppo/trust_region/masked_frac_pos"], second["dppo/trust_region/masked_frac_neg"]) > 0
 
 
 # --------------------------------------------------------------------------------------------------- learning

@@ -25,7 +25,7 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from dppo.losses import policy_loss
+from dppo.losses import loss_spec, policy_loss
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 LOSSES = {"dppo_binary_tv_mu": "dppo_binary_tv", "dppo_binary_kl_mu": "dppo_binary_kl"}
@@ -83,9 +83,10 @@ def _verl_call(core_algos, name, old, logp, adv, mask, mode, config=None, weight
     return loss.detach(), logp.grad, metrics
 
 
-def _dppo_call(old, logp, adv, mask, **kwargs):
+def _dppo_call(old, logp, adv, mask, *, denominator=None, max_response_len=None, **settings):
     logp = logp.clone().requires_grad_(True)
-    loss, metrics = policy_loss(logp, old, adv, mask, **kwargs)
+    loss, metrics = policy_loss(logp, old, adv, mask, loss_spec(**settings), denominator=denominator,
+                                max_response_len=max_response_len)
     loss.backward()
     return loss.detach(), logp.grad, metrics
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_trust_region import REQUIRED, REGIONS, STALENESS, divergence_for, make_batch
+from test_trust_region import REQUIRED, REGIONS, STALENESS, divergence_for, flat_loss, make_batch
 from torch.testing import assert_close
 
-from dppo.losses import AGGREGATIONS, aggregate, aggregation_denominator, drpo_loss, policy_loss
+from dppo.losses import LOSSES as LOSS_FNS
+from dppo.losses import AGGREGATIONS, TokenInputs, aggregate, aggregation_denominator, drpo_loss, loss_spec, policy_loss
 from dppo.trust_region import TRUST_REGIONS
 
 F32, F64 = torch.float32, torch.float64
@@ -44,7 +45,7 @@ def test_eq23_value_and_gradient_hand_case():
     adv = [1.5, 1.5, -2.0]
     logp = tensor([[math.log(p) for p in pi]]).requires_grad_(True)
     loss, _ = policy_loss(logp, tensor([[math.log(m) for m in mu]]), tensor([adv]), torch.ones(1, 3, dtype=torch.bool),
-                          aggregation="token-mean")
+                          loss_spec(aggregation="token-mean"))
     loss.backward()
     keep = [0.0, 1.0, 1.0]
     r = [p / m for p, m in zip(pi, mu)]
@@ -59,7 +60,7 @@ def test_is_cap(is_cap, weights):
     mu, pi = [0.01, 0.4, 0.1], [0.2, 0.2, 0.4]  # r = 20, 0.5, 4
     logp = tensor([[math.log(p) for p in pi]]).requires_grad_(True)
     loss, metrics = policy_loss(logp, tensor([[math.log(m) for m in mu]]), tensor([2.0]), torch.ones(1, 3, dtype=torch.bool),
-                                trust_region="none", is_cap=is_cap, aggregation="token-mean")
+                                loss_spec(trust_region="none", is_cap=is_cap, aggregation="token-mean"))
     loss.backward()
     frac = metrics["ratio_above_cap_frac"]
     assert_close(frac, torch.tensor(sum(r > is_cap for r in (20, 0.5, 4)) / 3, dtype=frac.dtype))
@@ -70,7 +71,7 @@ def test_log_ratio_clamped_before_exp():
     # log π − log µ = 25 is clamped to 20: with no cap the weight is e^20, finite.
     logp = tensor([[-1.0]]).requires_grad_(True)
     loss, m = policy_loss(logp, tensor([[-26.0]]), tensor([1.0]), torch.ones(1, 1, dtype=torch.bool),
-                          trust_region="none", is_cap=INF, aggregation="token-mean")
+                          loss_spec(trust_region="none", is_cap=INF, aggregation="token-mean"))
     loss.backward()
     assert_close(logp.grad, tensor([[-math.exp(20.0)]]))
     assert_close(m["ratio_max"], torch.tensor(math.exp(20.0), dtype=F64))
@@ -134,12 +135,13 @@ def _split_loss(loss_fn, b, cuts, mode, name):
     for lo, hi in zip([0] + cuts, cuts + [B]):
         t_mb = max(int(lengths[lo:hi].max()), 1)
         sl = (slice(lo, hi), slice(0, t_mb))
-        kwargs = dict(aggregation=mode, denominator=denom, max_response_len=T)
+        kwargs = dict(aggregation=mode, denominator=denom, max_response_len=T,
+                      loss="drpo" if name == "drpo" else "masked_is")
         if name != "drpo":
             kwargs.update(trust_region=name, **extra(name))
             div = divergence_for(name, b)
             kwargs["divergence"] = None if div is None else div[sl]
-        loss, _ = loss_fn(logp[sl], b["rollout_logp"][sl], b["adv"][lo:hi], b["mask"][sl], **kwargs)
+        loss, _ = flat_loss(loss_fn, logp[sl], b["rollout_logp"][sl], b["adv"][lo:hi], b["mask"][sl], **kwargs)
         total = total + loss
     total.backward()
     return total, logp.grad
@@ -147,10 +149,10 @@ def _split_loss(loss_fn, b, cuts, mode, name):
 
 def _full_loss(loss_fn, b, mode, name):
     logp = b["logp"].clone().requires_grad_(True)
-    kwargs = dict(aggregation=mode)
+    kwargs = dict(aggregation=mode, loss="drpo" if name == "drpo" else "masked_is")
     if name != "drpo":
         kwargs.update(trust_region=name, divergence=divergence_for(name, b), **extra(name))
-    loss, _ = loss_fn(logp, b["rollout_logp"], b["adv"], b["mask"], **kwargs)
+    loss, _ = flat_loss(loss_fn, logp, b["rollout_logp"], b["adv"], b["mask"], **kwargs)
     loss.backward()
     return loss, logp.grad
 
@@ -161,7 +163,7 @@ def _full_loss(loss_fn, b, mode, name):
 def test_micro_batch_split_does_not_change_loss_or_gradient(seed, B, T, mode, name, data):
     b = make_batch(seed, B=B, T=T, spread=1.0)
     cuts = sorted(data.draw(st.sets(st.integers(1, B - 1)), label="cuts")) if B > 1 else []
-    fn = drpo_loss if name == "drpo" else policy_loss
+    fn = LOSS_FNS["drpo"] if name == "drpo" else policy_loss
     full, grad_full = _full_loss(fn, b, mode, name)
     split, grad_split = _split_loss(fn, b, cuts, mode, name)
     assert_close(split, full)
@@ -173,9 +175,11 @@ def test_micro_batch_split_without_the_shared_denominator_differs():
     b = make_batch(7, B=6, T=5, spread=1.0)
     b["mask"][0] = True
     b["mask"][1:3, 1:] = False
-    full, _ = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], trust_region="none", aggregation="token-mean")
-    parts = sum(policy_loss(b["logp"][s], b["rollout_logp"][s], b["adv"][s], b["mask"][s], trust_region="none",
-                            aggregation="token-mean")[0] for s in (slice(0, 3), slice(3, 6)))
+    full, _ = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                          loss_spec(trust_region="none", aggregation="token-mean"))
+    spec = loss_spec(trust_region="none", aggregation="token-mean")
+    parts = sum(policy_loss(b["logp"][s], b["rollout_logp"][s], b["adv"][s], b["mask"][s], spec)[0]
+                for s in (slice(0, 3), slice(3, 6)))
     assert (parts - full).abs() > 1e-3
 
 
@@ -190,7 +194,8 @@ def test_metrics_hand_case():
     mu = tensor([[0.2, 0.1, 0.01], [0.5, 0.2, 0.01], [0.3, 0.01, 0.01]])
     pi = tensor([[0.2, 0.4, 1.0], [0.45, 0.3, 1.0], [0.3, 1.0, 1.0]])
     mask = tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0]]).bool()
-    _, m = policy_loss(pi.log(), mu.log(), tensor([1.0, -1.0, 0.0]), mask, trust_region="ppo_clip", is_cap=3.0)
+    _, m = policy_loss(pi.log(), mu.log(), tensor([1.0, -1.0, 0.0]), mask,
+                       loss_spec(trust_region="ppo_clip", is_cap=3.0))
     want = dict(masked_frac=1 / 5, masked_frac_pos=1 / 2, masked_frac_neg=0.0, ratio_mean=(1 + 4 + 0.9 + 1.5 + 1) / 5,
                 ratio_max=4.0, ratio_above_cap_frac=1 / 5, n_tokens=5.0, n_pos=2.0, n_neg=2.0)
     assert set(m) == set(want) | {"keep"}
@@ -220,8 +225,8 @@ def test_bf16_logp_is_computed_in_float32(name):
     lp16 = b["logp"].bfloat16().requires_grad_(True)
     lp32 = lp16.detach().float().requires_grad_(True)  # the same values, in float32
     kw = dict(trust_region=name, divergence=divergence_for(name, b))
-    loss16, _ = policy_loss(lp16, b["rollout_logp"], b["adv"], b["mask"], **kw)
-    loss32, _ = policy_loss(lp32, b["rollout_logp"], b["adv"], b["mask"], **kw)
+    loss16, _ = flat_loss(policy_loss, lp16, b["rollout_logp"], b["adv"], b["mask"], **kw)
+    loss32, _ = flat_loss(policy_loss, lp32, b["rollout_logp"], b["adv"], b["mask"], **kw)
     (loss16 + loss32).backward()
     assert loss16.dtype == F32
     assert_close(loss16, loss32)  # no extra rounding beyond the inputs'
@@ -234,9 +239,9 @@ def test_fp32_vs_bf16_logp_close():
     # 2^-9·|log p| ≈ 0.012; r = exp(log p − log µ) and the per-token term r·Â·log p move by about twice
     # that relatively, and the sum averages them: rtol 2e-2. No mask (a threshold could flip a token).
     b = make_batch(12, B=8, T=16, spread=0.3, dtype=F32)
-    kw = dict(trust_region="none", is_cap=INF)
-    loss32, _ = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], **kw)
-    loss16, _ = policy_loss(b["logp"].bfloat16(), b["rollout_logp"], b["adv"], b["mask"], **kw)
+    spec = loss_spec(trust_region="none", is_cap=INF)
+    loss32, _ = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], spec)
+    loss16, _ = policy_loss(b["logp"].bfloat16(), b["rollout_logp"], b["adv"], b["mask"], spec)
     assert_close(loss16, loss32, rtol=2e-2, atol=1e-4)
     drpo32, _ = drpo_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"])
     drpo16, _ = drpo_loss(b["logp"].bfloat16(), b["rollout_logp"], b["adv"], b["mask"])
@@ -288,7 +293,8 @@ LOSSES = REGIONS + ["drpo"]
 def _loss(name, logp, rollout_logp, adv, mask, divergence=None):
     if name == "drpo":
         return drpo_loss(logp, rollout_logp, adv, mask)[0]
-    return policy_loss(logp, rollout_logp, adv, mask, trust_region=name, divergence=divergence, **extra(name))[0]
+    return flat_loss(policy_loss, logp, rollout_logp, adv, mask, trust_region=name, divergence=divergence,
+                     **extra(name))[0]
 
 
 def _nan_batch():
@@ -355,7 +361,10 @@ OK = dict(logp=LP, rollout_logp=torch.zeros(B_, T_), adv=torch.zeros(B_), respon
 
 def call(fn=policy_loss, **changes):
     args = {**OK, **changes}
-    return lambda: fn(args.pop("logp"), args.pop("rollout_logp"), args.pop("adv"), args.pop("response_mask"), **args)
+    tensors = [args.pop(k) for k in ("logp", "rollout_logp", "adv", "response_mask")]
+    if fn is not policy_loss:
+        return lambda: fn(*tensors, **args)
+    return lambda: flat_loss(policy_loss, *tensors, **args)
 
 
 BAD = [
@@ -403,3 +412,48 @@ BAD = [
 def test_bad_input_raises_value_error_naming_the_argument(fn, match):
     with pytest.raises(ValueError, match=match):
         fn()
+
+
+# ------------------------------------------------------------------------------------------------
+# The resolved loss spec: every default filled in, each setting checked once, naming it
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("region", REGIONS)
+def test_loss_spec_resolves_every_default_and_round_trips(region):
+    required = {k: v for k, v in REQUIRED.items() if k in TRUST_REGIONS[region].params}
+    spec = loss_spec(trust_region=region, **required)
+    assert dict(spec.params) == {k: required.get(k, p.default) for k, p in TRUST_REGIONS[region].params.items()}
+    assert None not in spec.to_dict().values()
+    assert (spec.sequence_delta, spec.drpo_delta, spec.is_cap, spec.anchor) == (INF, 0.15, 10.0, "rollout")
+    assert loss_spec(**spec.to_dict()) == spec  # resolving a resolved spec changes nothing
+    with pytest.raises(Exception):
+        spec.is_cap = 3.0  # frozen
+    with pytest.raises(TypeError):
+        spec.params["delta_low"] = 1.0  # read-only
+
+
+def test_loss_spec_sequence_delta_defaults_per_mask():
+    assert [loss_spec(sequence_mask=m).sequence_delta for m in ("none", "max_divergence", "mean_k3", "mean_k1")] == \
+        [INF, 0.2, 0.1, 0.05]
+    assert loss_spec(sequence_mask="mean_k1", sequence_delta=-0.5).sequence_delta == -0.5  # k1 can be negative
+
+
+SPEC_ERRORS = [
+    ({"loss": "ppo"}, r"^loss: unknown value 'ppo'"),
+    ({"drpo_delta": 0.0}, r"^drpo_delta: expected a number > 0"),
+    ({"loss": "drpo", "anchor": "recompute"}, r"^anchor: drpo has no mask"),
+    ({"loss": "drpo", "sequence_mask": "mean_k3"}, r"^sequence_mask: drpo has no mask"),
+    ({"sequence_sides": "positive"}, r"^sequence_sides: unknown value 'positive'"),
+    ({"sequence_mask": "mean_k3", "sequence_delta": NAN}, r"^sequence_delta: expected a finite number"),
+    ({"eps_low": -1.0}, r"^eps_low: expected > 0"),  # another region's parameter is checked too
+    ({"delta": 0.1}, r"^delta: not a parameter of any trust region"),
+    ({"is_cap": True}, r"^is_cap: expected a number > 0"),
+]
+
+
+@pytest.mark.parametrize("settings, match", SPEC_ERRORS, ids=[m.split(":")[0].strip("^") + str(i)
+                                                              for i, (_, m) in enumerate(SPEC_ERRORS)])
+def test_loss_spec_refuses_naming_the_setting(settings, match):
+    with pytest.raises(ValueError, match=match):
+        loss_spec(**settings)

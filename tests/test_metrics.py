@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dppo.losses import policy_loss
+from dppo.losses import loss_spec, policy_loss
 from dppo.metrics import (MAXIMA, MU_BUCKETS, WEIGHTS, from_sums, masked_mu_histogram, masked_mu_shares, masked_shares,
                           merge, mismatch_stats, per_group_sums, ratio_stats, to_sums, token_mean, token_mismatch)
 
@@ -212,8 +212,8 @@ def test_losses_metrics_agree():
     """policy_loss's own masked shares and ratio statistics are the same quantities."""
     batch = make_batch(5, dtype=torch.float32)
     mu = batch["rollout_logp"].nan_to_num(0.0)
-    _, stats = policy_loss(batch["logp"], mu, batch["adv"], batch["response_mask"], trust_region="dppo_binary_tv",
-                           is_cap=1.5, delta_low=0.05, delta_high=0.05)
+    _, stats = policy_loss(batch["logp"], mu, batch["adv"], batch["response_mask"],
+                           loss_spec(trust_region="dppo_binary_tv", is_cap=1.5, delta_low=0.05, delta_high=0.05))
     shares = masked_shares(stats["keep"], batch["adv"], batch["response_mask"])
     ratio = ratio_stats(batch["logp"], mu, batch["response_mask"], is_cap=1.5)
     for key, value in {**shares, **ratio}.items():

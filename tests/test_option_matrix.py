@@ -13,9 +13,11 @@ A cell either
   `score_responses_reference` (each sequence run whole through the model, full log-softmax) followed by the
   plain `LOSSES` entry on the whole batch; and `loss/policy` equals the reference loss.
 
-The batch is sampled by the hf engine from the trainer's own weights at temperature 0.25 (peaked distributions),
-then µ is moved far from π on a fixed half of the tokens (log µ = log π ± 1.2, and µ's top-K cells scaled by e^-1.2): every trust region masks some tokens
-and keeps others, with divergences far from the thresholds, so bf16 rounding cannot flip a mask decision.
+The batch is sampled by the hf engine in bf16 (pinned: `auto` would choose by machine) from the trainer's own weights
+at temperature 0.25 (peaked distributions), then µ is moved far from π on a fixed half of the tokens (log µ = log π
+± 1.2, and µ's top-K cells scaled by e^-1.2; the tokens of SAT's tail by −2.0, so that its quantile sits in a gap):
+every trust region masks some tokens and keeps others, with divergences far from the thresholds, so bf16 rounding
+cannot flip a mask decision.
 
 Tolerances. float32: the same math in another order (packed/shared rows, micro-batch sums, checkpoint
 recomputation): measured relative error of the gradient <= 5.6e-7, asserted < 1e-4. bf16 autocast (the reference
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import random
 from contextlib import nullcontext
 
@@ -36,7 +39,7 @@ import torch
 
 from dppo.train.config import ConfigError
 from dppo.divergence import topk_kl, topk_tv
-from dppo.losses import LOSSES
+from dppo.losses import LOSSES, TokenInputs
 from dppo.train.scoring import score_responses_reference
 from dppo.trust_region import TRUST_REGIONS
 from conftest import smoke_config
@@ -86,7 +89,10 @@ def _config(cell: dict, run_dir):
     return smoke_config(
         run_dir, model={"gradient_checkpointing": cell["ckpt"], "autocast_bf16": cell["autocast"], "lora_rank": cell["lora"]},
         rollout={"prompts_per_step": P, "group_size": G, "max_new_tokens": 6, "top_k_logprobs": K,
-                 "temperature": 0.25},  # peaked distributions: large divergences where µ is moved
+                 "temperature": 0.25,  # peaked distributions: large divergences where µ is moved
+                 # pinned, not `auto` (which picks by machine): every machine tests the same cells, and the bf16
+                 # engine against the fp32 trainer is a real mismatch (µ ≠ π) under the shifts of `_far_batch`
+                 "engine": "hf", "dtype": "bfloat16"},
         loss=loss, optim={"grad_clip": 0.0},
         train={"mini_batches": 1, "micro_batch_size": cell["micro"], "scoring_layout": cell["layout"]})
 
@@ -114,6 +120,17 @@ def _far_batch(trainer):
     # the other tokens move by ±0.05 so that no π/µ sits at 1 within kernel noise (CPPO's mask flips on the sign of
     # log π − log µ once a sequence's budget is spent: a tie there made the reference and the trainer disagree)
     shift = torch.where(far, torch.where(up, 1.2, -1.2), torch.where(up, 0.05, -0.05))
+    # SAT's tail (tokens above the q-quantile of |log π − log µ| over the batch) made unambiguous: the tokens ranked
+    # above the quantile's position q·(n−1) move by −2.0 (µ below π, never clamped), the quantile falls in the gap
+    # between 1.2 and 2.0, and no rounding (bf16 engine, autocast) moves a token across it
+    n = int(batch.response_mask.sum())
+    q = TRUST_REGIONS["dppo_sat_tv"].params["sat_quantile"].default
+    top = n - 1 - math.floor(q * (n - 1))
+    down = (far & ~up).flatten().nonzero()[:, 0]
+    assert len(down) >= top
+    very = torch.zeros(shift.numel(), dtype=torch.bool)
+    very[down[torch.randperm(len(down), generator=torch.Generator().manual_seed(8))[:top]]] = True
+    shift = torch.where(very.view_as(shift), -2.0, shift)
     batch.rollout_logp = torch.where(batch.response_mask, (batch.rollout_logp + shift).clamp(max=-1e-3), 0.0)
     batch.rollout_topk_logp = torch.where(far[..., None], batch.rollout_topk_logp - 1.2, batch.rollout_topk_logp)
     rewards = torch.rand(P * G, generator=gen)
@@ -141,9 +158,10 @@ def _reference(trainer, batch, adv, cell):
     if region.needs_topk and cfg.loss.loss == "masked_is":
         fn = {"topk_tv": topk_tv, "topk_kl": topk_kl}[region.divergence]
         divergence = fn(scores.topk_logp, old.topk_logp if recompute else batch.rollout_topk_logp, batch.rollout_topk_valid)
-    loss, _ = LOSSES[cfg.loss.loss](scores.logp, batch.rollout_logp, adv, batch.response_mask, divergence=divergence,
-                                    old_logp=old.logp if recompute else None, staleness=batch.extras["token_staleness"],
-                                    max_response_len=cfg.rollout.max_new_tokens, **cfg.loss.settings())
+    inputs = TokenInputs(divergence=divergence, old_logp=old.logp if recompute else None,
+                         staleness=batch.extras["token_staleness"])  # batch statistics: over this call, the whole batch
+    loss, _ = LOSSES[cfg.loss.loss](scores.logp, batch.rollout_logp, adv, batch.response_mask, cfg.loss.spec(), inputs,
+                                    max_response_len=cfg.rollout.max_new_tokens)
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, float(loss.detach())
 
@@ -200,3 +218,54 @@ def test_cell_matches_the_reference_gradient_or_is_refused(cell, tmp_path):
     # The loss value sums ±Â·log π terms that largely cancel: under bf16 autocast its log π rounding (~1e-2 per
     # token) leaves an absolute, not a relative, error (measured <= 3e-4 here).
     assert stats["loss/policy"] == (pytest.approx(ref_loss, abs=1e-3) if cell["autocast"] else pytest.approx(ref_loss, rel=1e-4))
+
+
+# ------------------------------------------------------------------------------------------------ batch statistics
+def _graded_batch(trainer):
+    """P·G responses whose µ is moved from π by an amount that grows with the sequence (0.05·(b+1), a random sign
+    per token, a small jitter so that no two values tie): the tail of |log π − log µ| over the whole batch (SAT's
+    batch statistic) is in the last sequences, while every micro-batch's own tail would be in its own last one."""
+    from dppo.train.batch import collate
+    from dppo.train.evaluation import engine_prompts
+
+    examples = trainer.train_examples[:P]
+    batch = collate(trainer.engine.generate(engine_prompts(examples, trainer.tokenizer), trainer._sampling_params(0)),
+                    pad_id=trainer.pad_id)
+    gen = torch.Generator().manual_seed(11)
+    B, T = batch.response_mask.shape
+    size = 0.05 * torch.arange(1, B + 1, dtype=torch.float32)[:, None] + 0.004 * torch.rand(B, T, generator=gen)
+    sign = torch.where(torch.rand(B, T, generator=gen) < 0.5, 1.0, -1.0)
+    batch.rollout_logp = torch.where(batch.response_mask, (batch.rollout_logp + sign * size).clamp(max=-1e-3), 0.0)
+    rewards = torch.rand(P * G, generator=gen)
+    adv = rewards - rewards.view(P, G).mean(-1).repeat_interleave(G)
+    batch.extras["token_staleness"] = torch.zeros(B, T, dtype=torch.long)
+    return batch, adv
+
+
+@pytest.mark.parametrize("region", ["dppo_sat_tv", "dppo_sat_kl"])
+@pytest.mark.parametrize("micro", [1, 3, P * G])
+def test_sat_gradient_does_not_depend_on_the_micro_batch_size(region, micro, tmp_path):
+    """SAT's tail quantile is a statistic of the whole optimiser batch (`TrustRegion.batch_stats`): the trainer
+    computes it once per mini-batch and passes it to every micro-batch, so the gradient of one optimiser step is the
+    whole-batch reference's for every micro-batch size (κ = 0: a token in the tail is masked as soon as π moved with
+    its advantage, so a tail taken per micro-batch changes the mask: with the statistic taken per micro-batch, as
+    before, micro-batches of 1 and 3 gave relative errors of 4e-2 to 0.12)."""
+    from dppo.train.trainer import Trainer
+
+    cfg = smoke_config(tmp_path, rollout={"prompts_per_step": P, "group_size": G, "max_new_tokens": 6,
+                                          "engine": "hf", "dtype": "float32"},
+                       loss={"trust_region": region, "sat_shrink": 0.0}, optim={"grad_clip": 0.0},
+                       train={"mini_batches": 1, "micro_batch_size": micro})
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        batch, adv = _graded_batch(trainer)
+        ref_grads, ref_loss = _reference(trainer, batch, adv, {"ckpt": False, "autocast": False})
+        grads, stats = _trainer_grads(trainer, batch, adv)
+    finally:
+        trainer.close()
+    assert 0.0 < stats["trust_region/masked_frac"] < 1.0
+    flat = torch.cat([grads[n].flatten() for n in ref_grads])
+    ref = torch.cat([ref_grads[n].flatten() for n in ref_grads])
+    rel = float((flat - ref).norm() / ref.norm())
+    assert rel < 1e-4, f"relative gradient error {rel:.2e}"  # float32 in another order (module docstring)
+    assert stats["loss/policy"] == pytest.approx(ref_loss, rel=1e-4)

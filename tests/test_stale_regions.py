@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from dppo.divergence import binary_kl, binary_tv
-from dppo.losses import policy_loss
+from dppo.losses import (TokenInputs, aggregation_denominator, batch_stat_values, batch_statistics, loss_spec,
+                         policy_loss)
 from dppo.metrics import mismatch_split
 from dppo.sequence_mask import sequence_keep, unit_shares
 from dppo.trust_region import (TRUST_REGIONS, dppo_binary_kl, dppo_binary_tv, dppo_sat_kl, dppo_sat_tv, dppo_stale_kl,
@@ -88,21 +89,27 @@ def test_stale_kl_uses_binary_kl():
 def test_policy_loss_needs_staleness_for_the_stale_regions():
     b = make_batch(3)
     with pytest.raises(ValueError, match=r"^staleness: required by trust_region 'dppo_stale_tv'"):
-        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], trust_region="dppo_stale_tv")
+        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(trust_region="dppo_stale_tv"))
     with pytest.raises(ValueError, match=r"^staleness: expected shape \[B\] or \[B, T\]"):
-        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], trust_region="dppo_stale_tv",
-                    staleness=torch.zeros(2, 2))
+        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                    loss_spec(trust_region="dppo_stale_tv"),
+                    TokenInputs(staleness=torch.zeros(2, 2)))
     # [B], [B, T] and one value give the same loss when they say the same thing
-    per_row = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], trust_region="dppo_stale_tv",
-                          staleness=torch.full((4,), 2))[0]
-    per_token = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], trust_region="dppo_stale_tv",
-                            staleness=torch.full((4, 6), 2))[0]
-    one = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], trust_region="dppo_stale_tv",
-                      staleness=torch.tensor(2))[0]
+    per_row = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                          loss_spec(trust_region="dppo_stale_tv"),
+                          TokenInputs(staleness=torch.full((4,), 2)))[0]
+    per_token = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                            loss_spec(trust_region="dppo_stale_tv"),
+                            TokenInputs(staleness=torch.full((4, 6), 2)))[0]
+    one = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                      loss_spec(trust_region="dppo_stale_tv"),
+                      TokenInputs(staleness=torch.tensor(2)))[0]
     assert per_row == per_token == one
     # regions that read no staleness ignore it
     plain = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"])[0]
-    assert plain == policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], staleness=torch.full((4,), 9))[0]
+    assert plain == policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                                loss_spec(),
+                                TokenInputs(staleness=torch.full((4,), 9)))[0]
 
 
 # ------------------------------------------------------------------------------------------------ SAT-like tail
@@ -162,6 +169,47 @@ def test_sat_masks_a_superset_of_dppo_and_only_in_the_tail(seed, spread, kappa):
     tail = sat_tail(b["logp"], b["rollout_logp"], b["mask"], 0.8)
     assert not (sat & ~plain).any()
     assert not ((plain & ~sat) & ~tail).any()
+
+
+@pytest.mark.parametrize("region", ["dppo_sat_tv", "dppo_sat_kl"])
+@pytest.mark.parametrize("cuts", [[1, 2, 3], [2]])
+def test_sat_batch_statistic_makes_micro_batches_sum_to_the_batch(region, cuts):
+    """With the batch statistic (the tail quantile) computed over the whole batch (`batch_stat_values` of each
+    micro-batch, joined, then `batch_statistics`) and passed to every micro-batch, the micro-batches' losses sum to
+    the whole batch's, gradient included; with each micro-batch's own quantile they do not (the split changes the
+    tail). κ = 0: a tail token is masked once π moved with its advantage; a spread of 0.3 leaves most tokens inside
+    DPPO's δ, so the tail decides (for this seed the per-micro-batch tail differs in every case)."""
+    b = make_batch(0, B=4, T=6, spread=0.3)
+    b["mask"][:, :2] = True
+    spec = loss_spec(trust_region=region, sat_shrink=0.0, aggregation="token-mean")
+    denom = aggregation_denominator(b["mask"], "token-mean")
+    rows = list(zip([0] + cuts, cuts + [4]))
+    values = [batch_stat_values(spec, b["logp"][lo:hi], b["rollout_logp"][lo:hi], b["mask"][lo:hi]) for lo, hi in rows]
+    stats = batch_statistics(spec, {k: torch.cat([v[k].reshape(-1) for v in values]) for k in values[0]})
+    assert set(stats) == {"sat_threshold"} and stats["sat_threshold"].dim() == 0
+
+    def split_loss(batch_stats):
+        logp = b["logp"].clone().requires_grad_(True)
+        total = sum(policy_loss(logp[lo:hi], b["rollout_logp"][lo:hi], b["adv"][lo:hi], b["mask"][lo:hi], spec,
+                                TokenInputs(batch_stats=batch_stats), denominator=denom)[0] for lo, hi in rows)
+        total.backward()
+        return total, logp.grad
+
+    logp = b["logp"].clone().requires_grad_(True)
+    whole, _ = policy_loss(logp, b["rollout_logp"], b["adv"], b["mask"], spec)  # the call is the batch
+    whole.backward()
+    split, grad = split_loss(stats)
+    assert_close(split, whole)
+    assert_close(grad, logp.grad)
+    per_micro, grad_per_micro = split_loss(None)  # each micro-batch's own quantile: the bug this guards against
+    assert not torch.allclose(grad_per_micro, logp.grad)
+
+
+def test_policy_loss_names_a_missing_batch_statistic():
+    b = make_batch(3)
+    with pytest.raises(ValueError, match=r"^batch_stats: sat_threshold required by trust_region 'dppo_sat_tv'"):
+        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(trust_region="dppo_sat_tv"),
+                    TokenInputs(batch_stats={}))
 
 
 # ------------------------------------------------------------------------------------------------ sequence masks
@@ -234,8 +282,8 @@ def test_sequence_mask_hand_case_and_its_shares():
 def test_policy_loss_sequence_mask_drops_whole_responses_and_composes_with_the_region():
     b = make_batch(11, spread=1.5)
     logp = b["logp"].clone().requires_grad_(True)
-    loss, stats = policy_loss(logp, b["rollout_logp"], b["adv"], b["mask"], sequence_mask="max_divergence",
-                              sequence_delta=0.3)
+    loss, stats = policy_loss(logp, b["rollout_logp"], b["adv"], b["mask"],
+                              loss_spec(sequence_mask="max_divergence", sequence_delta=0.3))
     loss.backward()
     region = dppo_binary_tv(b["logp"], b["rollout_logp"], _adv(b), b["mask"], None, delta_low=0.15, delta_high=0.15)
     seq, _ = sequence_keep(b["logp"], b["rollout_logp"], b["adv"], b["mask"], statistic="max_divergence", delta=0.3)
@@ -246,8 +294,8 @@ def test_policy_loss_sequence_mask_drops_whole_responses_and_composes_with_the_r
     for key in ("seq_removed_frac_pos", "seq_removed_frac_neg", "seq_removed_token_frac_pos", "seq_n_units_neg"):
         assert key in stats
     # the max_divergence of a KL region reads Binary-KL: the same δ removes less than with Binary-TV here
-    _, kl_stats = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], trust_region="dppo_binary_kl",
-                              sequence_mask="max_divergence", sequence_delta=0.3)
+    _, kl_stats = policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                              loss_spec(trust_region="dppo_binary_kl", sequence_mask="max_divergence", sequence_delta=0.3))
     kl_seq, _ = sequence_keep(b["logp"], b["rollout_logp"], b["adv"], b["mask"], statistic="max_divergence", delta=0.3,
                               divergence=binary_kl(b["logp"], b["rollout_logp"]))
     assert torch.equal(kl_stats["keep"] & ~kl_seq, torch.zeros_like(kl_seq))
@@ -256,11 +304,12 @@ def test_policy_loss_sequence_mask_drops_whole_responses_and_composes_with_the_r
 def test_sequence_mask_errors_name_the_setting():
     b = make_batch(1)
     with pytest.raises(ValueError, match="^sequence_mask: "):
-        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], sequence_mask="max")
+        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(sequence_mask="max"))
     with pytest.raises(ValueError, match="^sequence_delta: expected a finite number"):
-        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], sequence_mask="mean_k3", sequence_delta=math.inf)
+        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"],
+                    loss_spec(sequence_mask="mean_k3", sequence_delta=math.inf))
     with pytest.raises(ValueError, match="^sequence_unit: "):
-        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], sequence_unit="episode")
+        policy_loss(b["logp"], b["rollout_logp"], b["adv"], b["mask"], loss_spec(sequence_unit="episode"))
 
 
 # ------------------------------------------------------------------------------------------------ mismatch split

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from dppo.losses import policy_loss
+from dppo.losses import TokenInputs, loss_spec, policy_loss
 from dppo.trust_region import TRUST_REGIONS
 from test_integration_trl import dataset, integ, make_trainer  # noqa: F401 - fixtures
 from test_integration_trl import (LAGS, NON_DEFAULT, REGIONS, grads, group_inputs, needs_trl, plain_scaled_logits, reward_fn,
@@ -198,11 +198,11 @@ def test_filter_and_off_policy_mask_match_trl_in_every_region(make_trainer, regi
             from test_integration_trl import reference_loss
 
             _, stats = reference_loss(trainer.model, out, region, trainer.temperature, aggregation="token-mean",
-                                      **trainer._region)
+                                      **trainer._spec.params)
         else:
-            stale = {"staleness": torch.tensor(LAGS, dtype=torch.float32)} if TRUST_REGIONS[region].inputs else {}
-            _, stats = policy_loss(logp, mu, adv, mask, trust_region=region, aggregation="token-mean",
-                                   **stale, **trainer._region)
+            stale = torch.tensor(LAGS, dtype=torch.float32) if TRUST_REGIONS[region].inputs else None
+            _, stats = policy_loss(logp, mu, adv, mask, loss_spec(trust_region=region, aggregation="token-mean",
+                                                                  **trainer._spec.params), TokenInputs(staleness=stale))
         weight = (logp - mu).clamp(max=20).exp().clamp(max=trainer.args.is_cap)
         keep = (stats["keep"] & entropy_keep & sequence_keep & mask).float()
     ref = -(keep * weight * adv[:, None] * logp).sum() / out["num_items_in_batch"]
@@ -267,19 +267,21 @@ def bonus(trainer, batch, coef: float):
 
 @pytest.mark.parametrize("region", REGIONS)
 def test_entropy_bonus_equals_grpotrainers_in_every_region(make_trainer, region):
-    """The entropy bonus (coef 0.05, over the entropy filter's tokens at quantile 0.5, 2 accumulation steps) in
+    """The entropy bonus (coef 0.05, over the entropy filter's tokens at quantile 0.5, 2 accumulation steps; 1 for
+    the regions that read a statistic of the optimiser batch, which DPPOConfig allows only without accumulation) in
     DPPOTrainer with `region` equals GRPOTrainer's own bonus on the same batch and weights, in value and gradient:
     what the bonus adds to the loss does not depend on the trust region."""
     from trl import GRPOConfig, GRPOTrainer
 
-    settings = dict(entropy_coef=0.05, top_entropy_quantile=0.5, gradient_accumulation_steps=2)
+    accumulation = 1 if TRUST_REGIONS[region].batch_stats else 2
+    settings = dict(entropy_coef=0.05, top_entropy_quantile=0.5, gradient_accumulation_steps=accumulation)
     dppo = make_trainer(**settings, **region_settings(region))
     grpo = make_trainer(trainer_cls=GRPOTrainer, config_cls=GRPOConfig, **settings)
     batch, _ = synthetic_batch(dppo, K=k_of(region))
     values = []
     for trainer in (dppo, grpo):
         trainer.model.train()
-        trainer.current_gradient_accumulation_steps = 2
+        trainer.current_gradient_accumulation_steps = accumulation
         values.append(bonus(trainer, batch, 0.05))
     (dppo_value, dppo_grad), (grpo_value, grpo_grad) = values
     assert grpo_value < -1e-3  # the bonus lowers the loss by 0.05 x mean entropy / 2

@@ -234,7 +234,7 @@ def test_topk_tv_trains_through_environment_factory(make_tool_trainer):
     assert len(logs) == 2
     for h in logs:
         assert math.isfinite(h["loss"]) and h["tools/call_frequency"] == 1.0
-        assert h["dppo/mismatch/topk_tv_mean"] < 1e-5 and h["dppo/masked_frac"] == 0
+        assert h["dppo/mismatch/topk_tv_mean"] < 1e-5 and h["dppo/trust_region/masked_frac"] == 0
     moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert len(moved) == len(before)
 

@@ -4,6 +4,7 @@ region also has a hand-computed case."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from dppo.divergence import binary_kl, topk_kl, topk_tv
-from dppo.losses import AGGREGATIONS, policy_loss
+from dppo.losses import AGGREGATIONS, TokenInputs, loss_spec, policy_loss
 from dppo.trust_region import TRUST_REGIONS, cppo, dppo_binary_kl, dppo_binary_tv, dppo_topk_tv, ppo_clip, ppo_clip_relax
 
 F64 = torch.float64
@@ -24,6 +25,18 @@ REQUIRED = {"relax_alpha": 0.1}
 """Values for the parameters some regions require (default None)."""
 STALENESS = torch.tensor(3.0, dtype=F64)
 """The version lag the regions that read one (`TrustRegion.inputs`) get where a test gives none."""
+
+
+_INPUT_FIELDS = {f.name for f in dataclasses.fields(TokenInputs)}
+_CALL_FIELDS = ("max_response_len", "denominator")
+
+
+def flat_loss(fn, logp, rollout_logp, adv, mask, **kwargs):
+    """`fn` (a `LOSSES` entry) called with one flat dict of keyword arguments, as the parametrised tests build them:
+    the settings go to `loss_spec`, the per-token tensors to `TokenInputs`, max_response_len/denominator to the call."""
+    inputs = {k: kwargs.pop(k) for k in list(kwargs) if k in _INPUT_FIELDS}
+    call = {k: kwargs.pop(k) for k in _CALL_FIELDS if k in kwargs}
+    return fn(logp, rollout_logp, adv, mask, loss_spec(**kwargs), TokenInputs(**inputs), **call)
 
 
 def region_params(name: str) -> dict:
@@ -158,10 +171,10 @@ def _expected_scale(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
 def test_policy_gradient_is_zero_where_masked_and_weighted_where_kept(name, seed, spread, aggregation, is_cap):
     batch = make_batch(seed, spread=spread)
     logp = batch["logp"].clone().requires_grad_(True)
-    loss, _ = policy_loss(logp, batch["rollout_logp"], batch["adv"], batch["mask"], trust_region=name,
-                          divergence=divergence_for(name, batch), is_cap=is_cap, aggregation=aggregation,
-                          **{k: v for k, v in REQUIRED.items() if k in TRUST_REGIONS[name].defaults},
-                          **inputs_for(name, batch))
+    loss, _ = flat_loss(policy_loss, logp, batch["rollout_logp"], batch["adv"], batch["mask"], trust_region=name,
+                        divergence=divergence_for(name, batch), is_cap=is_cap, aggregation=aggregation,
+                        **{k: v for k, v in REQUIRED.items() if k in TRUST_REGIONS[name].defaults},
+                        **inputs_for(name, batch))
     loss.backward()
     keep = call_region(name, batch)
     mask = batch["mask"]
@@ -260,8 +273,9 @@ def test_ppo_clip_mask_gives_the_clipped_objective_gradient(seed, aggregation, p
     mask = torch.rand(B, T, generator=g) < 0.8
     # Ours: detached ratio, mask, IS cap off.
     logp = logp0.clone().requires_grad_(True)
-    loss, _ = policy_loss(logp, rollout_logp, adv, mask, trust_region="ppo_clip", eps_low=eps_low, eps_high=eps_high,
-                          is_cap=math.inf, aggregation=aggregation)
+    loss, _ = policy_loss(logp, rollout_logp, adv, mask, loss_spec(trust_region="ppo_clip", eps_low=eps_low,
+                                                                   eps_high=eps_high, is_cap=math.inf,
+                                                                   aggregation=aggregation))
     (grad,) = torch.autograd.grad(loss, logp)
     # Classic PPO: −min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A), r with gradient, same aggregation by hand.
     logp = logp0.clone().requires_grad_(True)
@@ -374,8 +388,9 @@ def test_recompute_anchor_masks_against_old_logp_but_weights_by_pi_over_mu(name)
     grads = {}
     for anchor in ("rollout", "recompute"):
         logp = pi.log().requires_grad_(True)
-        loss, metrics = policy_loss(logp, mu.log(), adv, mask, trust_region=name, anchor=anchor, old_logp=old.log(),
-                                    aggregation="token-mean", is_cap=10.0)
+        loss, metrics = policy_loss(logp, mu.log(), adv, mask,
+                                    loss_spec(trust_region=name, anchor=anchor, aggregation="token-mean", is_cap=10.0),
+                                    TokenInputs(old_logp=old.log()))
         loss.backward()
         grads[anchor] = logp.grad
     r = (pi / mu)[0]  # 5.5 and 1.0: the weight is π/µ under both anchors

@@ -25,7 +25,7 @@ response_mask, loss_agg_mode, config, rollout_is_weights; all [B, T]):
 - Thresholds and cap come from the actor config, as for verl's own `dppo_tv`/`dppo_kl`: δ_low = clip_ratio_low,
   δ_high = clip_ratio_high (each falling back to clip_ratio), C = clip_ratio_c. verl's defaults (0.2, 0.2, 3.0) are
   not dppo's: set clip_ratio_low = clip_ratio_high = 0.15 (TV) or 0.05 (KL), and clip_ratio_c = 10. With
-  config=None (a direct call) dppo's own defaults apply. Values are checked as dppo checks them.
+  config=None (a direct call) dppo's own defaults apply. Values are checked by `dppo.loss_spec.loss_spec`.
 - `loss_agg_mode` maps to dppo's aggregation of the same name; verl's `global_batch_info` (dp_size,
   batch_num_tokens, global_batch_size, loss_scale_factor) becomes dppo's `denominator`/`max_response_len` and a
   final ×dp_size, so the value equals verl's `agg_loss` of the same per-token loss:
@@ -40,19 +40,21 @@ response_mask, loss_agg_mode, config, rollout_is_weights; all [B, T]):
 
 Top-K (dppo_topk_tv / dppo_topk_kl) is not registered: its divergence needs µ's top-K log-probs at every
 position, and stock verl records only the sampled token's log-prob (`rollout_log_probs`). With a rollout that
-recorded them, compute `dppo.divergence.topk_tv`/`topk_kl` and call `dppo.losses.policy_loss` with `divergence=`.
+recorded them, compute `dppo.divergence.topk_tv`/`topk_kl` and call `dppo.losses.policy_loss` with
+`TokenInputs(divergence=...)`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from dppo.loss_spec import LossSpec, loss_spec
 from dppo.losses import policy_loss
-from dppo.trust_region import TRUST_REGIONS
 
 try:
     from verl.trainer.ppo import core_algos
@@ -82,11 +84,6 @@ _CONFIG_FIELDS = {"delta_low": ("clip_ratio_low", "clip_ratio"), "delta_high": (
 """dppo parameter -> the verl actor-config fields it is read from, first set one wins."""
 
 
-class _Check(NamedTuple):
-    check: Callable[[float], bool]
-    expect: str
-
-
 def _get(config: Any, name: str) -> Any:
     """config[name] for verl's ActorConfig / DictConfig / dict, None when absent."""
     if config is None:
@@ -99,19 +96,28 @@ def _get(config: Any, name: str) -> Any:
     return getattr(config, name, None)
 
 
-def _settings(trust_region: str, config: Any) -> dict[str, float]:
-    """delta_low, delta_high, is_cap from verl's config (absent = dppo's default), checked by dppo."""
-    out: dict[str, float] = {}
+def _spec(trust_region: str, aggregation: str, config: Any) -> LossSpec:
+    """The `LossSpec` of `trust_region` with delta_low, delta_high, is_cap from verl's config (absent = dppo's
+    default), resolved and checked by `dppo.loss_spec.loss_spec`; an error names verl's field."""
+    given: dict[str, float] = {}
+    source: dict[str, str] = {}
     for param, fields in _CONFIG_FIELDS.items():
         found = next(((f, _get(config, f)) for f in fields if _get(config, f) is not None), None)
-        if found is None:
-            continue
-        field, value = found[0], float(found[1])
-        check = _Check(lambda x: x > 0, "> 0") if param == "is_cap" else TRUST_REGIONS[trust_region].params[param]
-        if not check.check(value):
-            raise ValueError(f"{field}: {param} of {trust_region}; expected {check.expect}, got {value}")
-        out[param] = value
-    return out
+        if found is not None:
+            source[param], given[param] = found[0], float(found[1])
+    try:
+        return _cached_spec(trust_region, aggregation, tuple(sorted(given.items())))
+    except ValueError as exc:  # "delta_high: expected > 0, got -1.0" -> "clip_ratio_high: delta_high of ...; ..."
+        param, _, rest = str(exc).partition(": ")
+        if param not in source:
+            raise
+        raise ValueError(f"{source[param]}: {param} of {trust_region}; {rest}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_spec(trust_region: str, aggregation: str, given: tuple[tuple[str, float], ...]) -> LossSpec:
+    """`loss_spec` once per distinct setting (verl calls the loss once per micro-batch)."""
+    return loss_spec(trust_region=trust_region, aggregation=aggregation, **dict(given))
 
 
 def _aggregation(loss_agg_mode: str, batch: Mapping[str, Any]) -> tuple[str, Any, Any]:
@@ -152,9 +158,8 @@ def verl_policy_loss(
     aggregation, denominator, max_len = _aggregation(loss_agg_mode, batch)
     mask = response_mask.bool()
     adv = advantages if rollout_is_weights is None else advantages * rollout_is_weights.detach()
-    loss, m = policy_loss(log_prob, old_log_prob, adv, mask, trust_region=trust_region, anchor="rollout",
-                          aggregation=aggregation, denominator=denominator, max_response_len=max_len,
-                          **_settings(trust_region, config))
+    loss, m = policy_loss(log_prob, old_log_prob, adv, mask, _spec(trust_region, aggregation, config),
+                          denominator=denominator, max_response_len=max_len)
     dp_size = batch.get("dp_size") or 1
     if isinstance(dp_size, Tensor) or dp_size != 1:
         loss = loss * dp_size

@@ -31,7 +31,6 @@ from dppo.train.config import Config, ConfigError, replace
 from dppo.train.distributed import decoder_layers
 from dppo.train.scoring import ScoringModule, packed_layout_supported
 from dppo.train.weights import engine_state
-from dppo.trust_region import region_params
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -151,13 +150,13 @@ def resolve_rollout(cfg: Config) -> tuple:
 
 def resolve_config(cfg: Config) -> Config:
     """`cfg` with every value the run will use written out: rollout.engine and rollout.dtype as `auto` chose them
-    on this machine, rollout.top_k_logprobs as K (20 or 0 when unset), and the chosen trust region's parameters
-    (δ's, ε's, ...) at their registry defaults when unset. A run directory's config.yaml holds this, and a resumed
-    run reads exactly it (idempotent: resolving it again changes nothing)."""
+    on this machine, rollout.top_k_logprobs as K (20 or 0 when unset), and the loss as its resolved `LossSpec`
+    (`LossConfig.spec`: the chosen trust region's parameters, the sequence mask's δ and DRPO's δ at their defaults
+    when unset; the parameters of the other trust regions stay as given). A run directory's config.yaml holds this,
+    and a resumed run reads exactly it (idempotent: resolving it again changes nothing)."""
     engine, dtype, _ = resolve_rollout(cfg)
-    loss = region_params(cfg.loss.trust_region, cfg.loss.settings())
     return replace(cfg, rollout={"engine": engine.value, "dtype": dtype.value, "top_k_logprobs": cfg.top_k_logprobs},
-                   loss=loss)
+                   loss=cfg.loss.spec().to_dict())
 
 
 def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0):

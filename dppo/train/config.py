@@ -19,15 +19,12 @@ from typing import Any, Literal
 
 import yaml
 
+from dppo._checks import ConfigError
 from dppo.advantages import ADVANTAGES
-from dppo.losses import AGGREGATIONS, ANCHORS, LOSSES
+from dppo.loss_spec import LossSpec, loss_spec
+from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk
 from dppo.run_files.logger import TRACKERS, check_tracker_installed
-from dppo.sequence_mask import SEQUENCE_MASKS, SEQUENCE_SIDES, SEQUENCE_UNITS
-from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params, check_param, needs_topk, region_params
 
-
-class ConfigError(ValueError):
-    """An invalid configuration value; the message starts with the field's dotted name."""
 
 
 def _fail(field_name: str, message: str) -> None:
@@ -268,14 +265,15 @@ class _LossSettings:
     """C in min(π/µ, C); inf = uncapped."""
     aggregation: str = "seq-mean-token-sum-norm"
     """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
-    drpo_delta: float = 0.15
-    """DRPO's δ in the penalty |Â|/(2δ)·µ·(r−1)²."""
+    drpo_delta: float | None = None
+    """DRPO's δ in the penalty |Â|/(2δ)·µ·(r−1)² (None = 0.15)."""
     sequence_mask: Literal["none", "max_divergence", "mean_k3", "mean_k1"] = "none"
     """Also drop whole responses (or turns, see sequence_unit) whose statistic exceeds sequence_delta: max_divergence
     (largest token divergence of the trust region's estimate), mean_k3 (mean k3 estimate of KL(µ‖π)), mean_k1 (mean
     log µ/π, DeepSeek-V3.2's off-policy mask with sequence_sides negative); composes with any trust region."""
     sequence_delta: float | None = None
-    """Threshold of the sequence mask (None = its default: max_divergence 0.2, mean_k3 0.1, mean_k1 0.05)."""
+    """Threshold of the sequence mask (None = its default: max_divergence 0.2, mean_k3 0.1, mean_k1 0.05; inf for
+    none)."""
     sequence_unit: Literal["response", "turn"] = "response"
     """What the sequence mask drops: a whole response, or (multi-turn episodes) one turn of it."""
     sequence_sides: Literal["both", "negative"] = "both"
@@ -285,42 +283,19 @@ class _LossSettings:
     the masked share attributed to each factor); costs one no-grad forward per step unless anchor is recompute."""
 
     def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            _fail("loss.loss", f"unknown {self.loss!r}; valid: {', '.join(LOSSES)}")
-        if self.trust_region not in TRUST_REGIONS:
-            _fail("loss.trust_region", f"unknown {self.trust_region!r}; valid: {', '.join(TRUST_REGIONS)}")
-        if self.aggregation not in AGGREGATIONS:
-            _fail("loss.aggregation", f"unknown {self.aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
-        if self.anchor not in ANCHORS:
-            _fail("loss.anchor", f"unknown {self.anchor!r}; valid: {', '.join(ANCHORS)}")
-        _positive("loss", is_cap=self.is_cap, drpo_delta=self.drpo_delta)
-        try:  # every trust-region parameter that is set, then the chosen region's (its required ones given)
-            for name in all_params():
-                if getattr(self, name) is not None:
-                    check_param(name, getattr(self, name))
-            region_params(self.trust_region, self.settings())
+        try:  # every check of the loss settings lives in `dppo.loss_spec.loss_spec`, once
+            self.spec()
         except ValueError as exc:
             raise ConfigError(f"loss.{exc}") from None
-        if self.loss == "drpo" and self.anchor != "rollout":
-            _fail("loss.anchor", "drpo has no mask, so only the 'rollout' anchor applies")
-        for name, choices in (("sequence_mask", SEQUENCE_MASKS), ("sequence_unit", SEQUENCE_UNITS),
-                              ("sequence_sides", SEQUENCE_SIDES)):
-            if getattr(self, name) not in choices:
-                _fail(f"loss.{name}", f"unknown {getattr(self, name)!r}; valid: {', '.join(choices)}")
-        if self.sequence_delta is not None and not (isinstance(self.sequence_delta, (int, float))
-                                                    and math.isfinite(self.sequence_delta)):
-            _fail("loss.sequence_delta", f"expected a finite number, got {self.sequence_delta!r}")
-        if self.loss == "drpo" and self.sequence_mask != "none":
-            _fail("loss.sequence_mask", "drpo has no mask to combine a sequence mask with")
 
     def settings(self) -> dict[str, Any]:
-        """The keyword settings a `dppo.losses.LOSSES` entry takes: every field but `loss` (None = the trust
-        region's default)."""
+        """The loss settings as `dppo.loss_spec.loss_spec` takes them: every field but `loss` and `split_mismatch`
+        (None = the default)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("loss", "split_mismatch")}
 
-    def mask_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `dppo.losses.policy_loss` (the earlier name of `settings` less drpo_delta)."""
-        return {k: v for k, v in self.settings().items() if k != "drpo_delta"}
+    def spec(self) -> LossSpec:
+        """The resolved `LossSpec` the run's loss is computed with (`dppo.loss_spec.loss_spec` of these fields)."""
+        return loss_spec(loss=self.loss, **self.settings())
 
 
 def _region_field(name: str, param) -> tuple[str, Any, Any]:

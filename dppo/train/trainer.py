@@ -36,7 +36,7 @@ from dppo.divergence import binary_tv, topk_kl, topk_tv
 from dppo.runtime.faults import fault_point
 from dppo.run_files.logger import RunLogger
 from dppo.rewards.runner import NonFiniteRewardError
-from dppo.losses import LOSSES, aggregation_denominator
+from dppo.losses import LOSSES, TokenInputs, aggregation_denominator, batch_stat_values, batch_statistics
 from dppo.rollout.base import SamplingParams
 from dppo.train.batch import RolloutBatch, collate
 from dppo.rollout.source import Draw
@@ -45,7 +45,6 @@ from dppo.train.build import (announce_rollout, build_episodes, build_model, bui
                               check_environment, check_rollout, resolve_config, resolve_device)
 from dppo.train.evaluation import evaluate, load_checkpoint_weights
 from dppo.train.scoring import Scores
-from dppo.trust_region import TRUST_REGIONS
 from dppo.train.distributed import init_from_env, local_tensor
 from dppo.train.weights import engine_state
 
@@ -154,8 +153,9 @@ class Trainer:
         self.max_response_len = self.episodes.max_tokens
         self.model, self.tokenizer, self.model_path = build_model(cfg, self.run_dir)
         self.scorer = build_scorer(cfg, self.model, self.dist)  # DDP/FSDP2 under torchrun (FSDP2 shards self.model)
-        self.loss_fn, self.loss_settings = LOSSES[cfg.loss.loss], cfg.loss.settings()
-        region = TRUST_REGIONS[cfg.loss.trust_region]
+        self.loss_spec = cfg.loss.spec()  # resolved and checked once (dppo.loss_spec)
+        self.loss_fn = LOSSES[self.loss_spec.loss]
+        region = self.loss_spec.region
         self.topk_divergence = {"topk_tv": topk_tv, "topk_kl": topk_kl}[region.divergence] if region.needs_topk else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.device = next(self.model.parameters()).device
@@ -347,6 +347,7 @@ class Trainer:
         for epoch in range(cfg.train.epochs):
             for mb in self._minibatches(batch.response_ids.shape[0], epoch):
                 denom = self.dist.global_denominator(aggregation_denominator(batch.loss_mask[mb], cfg.loss.aggregation))
+                batch_stats = self._batch_stats(batch, mb, old)  # {} unless the trust region reads one
                 loss_finite = torch.ones((), dtype=torch.bool, device=self.device)
                 mb_loss = torch.zeros((), device=self.device)  # the mini-batch's loss: the sum of its micro-batches'
                 micros = mb.split(cfg.train.micro_batch_size)
@@ -355,7 +356,7 @@ class Trainer:
                     with timer.time("forward"):
                         scores = self._score(batch, micro, grad=True, with_entropy=first)
                     with timer.time("loss"):
-                        loss, stats = self._loss(batch, micro, scores, adv, old, denom)
+                        loss, stats = self._loss(batch, micro, scores, adv, old, denom, batch_stats)
                     with timer.time("backward"):
                         loss.backward()  # a non-finite loss still backpropagates; _optimizer_step then skips the step
                     with timer.time("loss"):
@@ -372,9 +373,34 @@ class Trainer:
                 first = False
         return acc.result()
 
-    def _loss(self, batch, micro, scores, adv, old, denom):
+    def _batch_stats(self, batch: RolloutBatch, mb: Tensor, old) -> dict[str, Tensor] | None:
+        """The statistics of the whole mini-batch `mb` that the trust region reads (`TrustRegion.batch_stats`, e.g.
+        SAT's tail quantile), over its active tokens on every rank; None when the region reads none. Costs one
+        no-grad forward of the mini-batch, micro-batch by micro-batch (the weights do not change inside a mini-batch,
+        so π here is the π of every micro-batch's loss)."""
+        spec = self.loss_spec
+        if not spec.region.batch_stats:
+            return None
+        parts: dict[str, list[Tensor]] = {name: [] for name in spec.region.batch_stats}
+        for micro in mb.split(self.cfg.train.micro_batch_size):
+            logp = self._score(batch, micro, grad=False).logp
+            anchor = old.logp[micro] if spec.anchor == "recompute" else batch.rollout_logp[micro]
+            for name, v in batch_stat_values(spec, logp, anchor, batch.loss_mask[micro]).items():
+                parts[name].append(v.reshape(-1))
+        values = {name: torch.cat(v) for name, v in parts.items()}
+        if self.dist.enabled:  # every rank's values, padded to the longest rank's (NaN = no token)
+            lengths = self.dist.all_gather_rows(torch.tensor([mb.shape[0] * batch.response_ids.shape[1]],
+                                                             device=self.device))
+            width = int(lengths.max())
+            values = {name: self.dist.all_gather_rows(
+                torch.nn.functional.pad(v, (0, width - v.shape[0]), value=float("nan"))[None]).reshape(-1)
+                for name, v in values.items()}
+        return batch_statistics(spec, values)
+
+    def _loss(self, batch, micro, scores, adv, old, denom, batch_stats=None):
         """The loss of one micro-batch (a `dppo.losses.LOSSES` entry) and its metrics. `old` (π_old's scores) is the
-        recompute anchor, or with anchor rollout only the reference of the mismatch split (loss.split_mismatch)."""
+        recompute anchor, or with anchor rollout only the reference of the mismatch split (loss.split_mismatch);
+        `batch_stats`: the mini-batch's statistics the trust region reads (`_batch_stats`)."""
         mask, rollout_logp = batch.loss_mask[micro], batch.rollout_logp[micro]  # generated tokens only
         anchor_old = old if self.cfg.loss.anchor == "recompute" else None
         divergence = None
@@ -383,12 +409,12 @@ class Trainer:
             divergence = self.topk_divergence(scores.topk_logp, anchor_cells, batch.rollout_topk_valid[micro])
         stale = batch.extras.get("token_staleness", batch.extras.get("staleness"))
         turn = batch.extras.get("turn_index")
-        loss, stats = self.loss_fn(scores.logp, rollout_logp, adv[micro], mask, divergence=divergence,
-                                   old_logp=anchor_old.logp[micro] if anchor_old is not None else None,
-                                   max_response_len=self.max_response_len, denominator=denom,
-                                   staleness=stale[micro] if stale is not None else None,
-                                   turn_index=turn[micro] if turn is not None else None,
-                                   n_turns=max(self.cfg.env.max_turns, 1), **self.loss_settings)
+        inputs = TokenInputs(divergence=divergence, old_logp=anchor_old.logp[micro] if anchor_old is not None else None,
+                             staleness=stale[micro] if stale is not None else None,
+                             turn_index=turn[micro] if turn is not None else None,
+                             n_turns=max(self.cfg.env.max_turns, 1), batch_stats=batch_stats)
+        loss, stats = self.loss_fn(scores.logp, rollout_logp, adv[micro], mask, self.loss_spec, inputs,
+                                   max_response_len=self.max_response_len, denominator=denom)
         stats = dict(stats)
         if "keep" in stats:
             keep = stats.pop("keep")
@@ -587,14 +613,8 @@ class _Accumulator:
 
     def add_loss(self, stats: dict[str, Tensor]) -> None:
         n = stats["n_tokens"]
-        for key in ("masked_frac", "ratio_mean", "ratio_above_cap_frac"):
-            if key in stats:
-                self._add(f"trust_region/{key}" if key == "masked_frac" else f"ratio/{key.replace('ratio_', '')}", stats[key], n)
-        for key, w in (("masked_frac_pos", "n_pos"), ("masked_frac_neg", "n_neg"),
-                       ("seq_removed_frac_pos", "seq_n_units_pos"), ("seq_removed_frac_neg", "seq_n_units_neg"),
-                       ("seq_removed_token_frac_pos", "seq_n_tokens_pos"), ("seq_removed_token_frac_neg", "seq_n_tokens_neg")):
-            if key in stats:
-                self._add(f"trust_region/{key}", stats[key], stats[w])
+        for name, value, weight in metrics.loss_terms(stats):  # the loss's means, under `metrics.NAMES`
+            self._add(name, value, weight)
         for key in metrics.SPLIT_KEYS:  # the mismatch split (loss.split_mismatch), per active token
             if key in stats:
                 self._add(key, stats[key], n)

@@ -34,7 +34,8 @@ clip ε of the PPO regions are TRL's `epsilon` / `epsilon_high` (None: the regis
 
 Metrics (per micro-batch, one all-reduce; listed in docs/integrations.md): TRL's names where TRL has the quantity
 (`clip_ratio/{low,high,region}_mean` = masked tokens by advantage sign, `sampling/sampling_logp_difference/*`,
-`entropy`), dppo's otherwise (`dppo/masked_frac*`, `dppo/ratio_*`, `dppo/mismatch/*`, `dppo/unscored_frac`).
+`entropy`), otherwise `dppo train`'s names (`dppo.metrics.NAMES`) behind the prefix "dppo/"
+(`dppo/trust_region/masked_frac*`, `dppo/ratio/*`, `dppo/mismatch/*`), and `dppo/unscored_frac`.
 
 Layout: `config` (DPPOConfig, its checks, LOSS_TYPE_AGGREGATION, check_sampling), `recorder` (µ recorded during
 transformers generation, the K+1 cells, kept per generated turn), `terms` (off-policy mask, entropy bonus), `trainer`

@@ -1,5 +1,6 @@
-"""`DPPOConfig`: TRL's `GRPOConfig` plus DPPO's trust-region fields, with the checks of dppo's own `loss` config
-section (so both accept and refuse the same values), and the map from TRL's `loss_type` to dppo's aggregation modes.
+"""`DPPOConfig`: TRL's `GRPOConfig` plus DPPO's trust-region fields, resolved and checked by `dppo.loss_spec.loss_spec`
+as dppo's own `loss` config section is (so both accept and refuse the same values, and build the same `LossSpec`),
+and the map from TRL's `loss_type` to dppo's aggregation modes. Nothing here imports `dppo.train`.
 
 Everything that can be refused before a model loads is refused here, at construction, as a ValueError naming the
 field. `check_sampling` (decoding modes whose tokens are not draws from the recorded µ) runs here on
@@ -16,8 +17,8 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from dppo.train.config import ConfigError, LossConfig
-from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params, needs_topk, region_params
+from dppo.loss_spec import LossSpec, loss_spec
+from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params, needs_topk
 
 __all__ = ["DPPOConfig", "LOSS_TYPE_AGGREGATION", "NOT_SAMPLED", "check_sampling", "check_server_logprobs"]
 
@@ -30,7 +31,7 @@ LOSS_TYPE_AGGREGATION = {
 """TRL `loss_type` -> dppo aggregation mode. The seq-mean modes leave sequences with no active token out of the
 count (spec §6), where TRL counts every row; the two differ only with `mask_truncated_completions`."""
 
-_LOSS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossConfig)}
+_DEFAULT = loss_spec()
 _REGION_FIELDS = tuple(name for name in all_params() if name not in ("eps_low", "eps_high"))
 """Trust-region parameters that become DPPOConfig fields; the ratio-clip ε are TRL's `epsilon`/`epsilon_high`."""
 _EPS_FIELDS = {"eps_low": "epsilon", "eps_high": "epsilon_high"}
@@ -125,10 +126,10 @@ def check_sampling(values: Mapping[str, Any] | None, where: str, top_k_logprobs:
 class _DPPOSettings(GRPOConfig):
     """The DPPO fields of `DPPOConfig` (the trust regions' own parameters are added from the registry below)."""
 
-    trust_region: str = field(default=_LOSS_DEFAULTS["trust_region"], metadata={"help": (
+    trust_region: str = field(default=_DEFAULT.trust_region, metadata={"help": (
         f"A name in dppo.trust_region.TRUST_REGIONS ({', '.join(TRUST_REGIONS)}).")})
-    is_cap: float = field(default=_LOSS_DEFAULTS["is_cap"], metadata={"help": "C in min(π/µ, C); inf = uncapped."})
-    anchor: str = field(default=_LOSS_DEFAULTS["anchor"], metadata={"help": (
+    is_cap: float = field(default=_DEFAULT.is_cap, metadata={"help": "C in min(π/µ, C); inf = uncapped."})
+    anchor: str = field(default=_DEFAULT.anchor, metadata={"help": (
         "Mask anchor: rollout µ (default, free) or recompute (TRL's π_old; the importance weight stays π/µ).")})
     top_k_logprobs: int | None = field(default=None, metadata={"help": (
         f"K of µ's top-K recorded per token. None = {DEFAULT_TOP_K} when the trust region needs them (Top-K TV/KL), "
@@ -152,11 +153,21 @@ class _DPPOSettings(GRPOConfig):
         """dppo's aggregation mode for `loss_type` (`LOSS_TYPE_AGGREGATION`)."""
         return LOSS_TYPE_AGGREGATION[self.loss_type]
 
-    def region_settings(self) -> dict[str, Any]:
-        """The trust region's mask parameters, defaults filled in and checked (`dppo.trust_region.region_params`)."""
+    def spec(self) -> LossSpec:
+        """The resolved `LossSpec` of DPPOTrainer's loss (`dppo.loss_spec.loss_spec`, as `dppo train` builds its own):
+        ratio-clip ε from `epsilon` / `epsilon_high`, the aggregation from `loss_type`. ValueError naming the field."""
         given = {name: getattr(self, name) for name in _REGION_FIELDS}
         given.update({eps: getattr(self, name) for eps, name in _EPS_FIELDS.items()})
-        return region_params(self.trust_region, given)
+        try:
+            return loss_spec(trust_region=self.trust_region, anchor=self.anchor, is_cap=self.is_cap,
+                             aggregation=self.aggregation, **given)
+        except ValueError as exc:  # "eps_low: ..." -> "epsilon: ..."
+            name, _, rest = str(exc).partition(":")
+            raise ValueError(f"{_EPS_FIELDS.get(name, name)}:{rest}") from None
+
+    def region_settings(self) -> dict[str, Any]:
+        """The trust region's mask parameters, defaults filled in and checked (`spec().params`)."""
+        return dict(self.spec().params)
 
 
 def _region_field(name: str) -> tuple[str, Any, Any]:
@@ -186,13 +197,12 @@ def _check_dppo(cfg) -> None:
     if missing:
         raise ValueError(f"trust_region: {cfg.trust_region!r} needs per-token inputs DPPOTrainer does not provide "
                          f"({', '.join(missing)}); use it with `dppo train`")
-    region = {name: getattr(cfg, name) for name in _REGION_FIELDS}
-    try:  # the checks of dppo's own `loss` config section, so that both accept and refuse the same values
-        LossConfig(trust_region=cfg.trust_region, anchor=cfg.anchor, is_cap=cfg.is_cap, aggregation=cfg.aggregation,
-                   eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, **region)
-    except ConfigError as exc:  # "loss.eps_low: ..." -> "epsilon: ..."
-        name, _, rest = str(exc).removeprefix("loss.").partition(":")
-        raise ValueError(f"{_EPS_FIELDS.get(name, name)}:{rest}") from None
+    spec = cfg.spec()  # the checks of dppo's own `loss` config section, so that both accept and refuse the same values
+    if spec.region.batch_stats and cfg.gradient_accumulation_steps != 1:
+        raise ValueError(f"gradient_accumulation_steps: trust region {cfg.trust_region!r} reads statistics of the whole "
+                         f"optimiser batch ({', '.join(spec.region.batch_stats)}), which DPPOTrainer computes over one "
+                         f"micro-batch: set 1 (and raise per_device_train_batch_size), got "
+                         f"{cfg.gradient_accumulation_steps}")
     if cfg.top_k_logprobs is not None and not (isinstance(cfg.top_k_logprobs, int) and cfg.top_k_logprobs >= 0):
         raise ValueError(f"top_k_logprobs: expected an int >= 0 or None, got {cfg.top_k_logprobs!r}")
     if not cfg.temperature > 0:

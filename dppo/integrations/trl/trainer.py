@@ -24,8 +24,9 @@ from dppo.integrations.trl.recorder import TurnCells, _cells, _recording_generat
 from dppo.integrations.trl.rollout_func import DPPORolloutFunc
 from dppo.integrations.trl.terms import entropy_mean, next_entropy_coef, off_policy_keep, select_advantages
 from dppo.logprobs import fused_logprobs
-from dppo.losses import aggregate, policy_loss
-from dppo.metrics import MAXIMA, WEIGHTS, from_sums, masked_shares, mismatch_stats, ratio_stats, to_sums, token_mean
+from dppo.losses import TokenInputs, aggregate, policy_loss
+from dppo.metrics import (MAXIMA, NAMES, WEIGHTS, from_sums, masked_shares, mismatch_stats, ratio_stats, to_sums,
+                          token_mean)
 from dppo.trust_region import TRUST_REGIONS, needs_topk
 
 __all__ = ["DPPOTrainer"]
@@ -68,9 +69,13 @@ class DPPOTrainer(GRPOTrainer):
                          reward_processing_classes=reward_processing_classes, callbacks=callbacks,
                          optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config, tools=tools,
                          rollout_func=rollout_func, environment_factory=environment_factory)
-        self._region = args.region_settings()
-        self._inputs = TRUST_REGIONS[args.trust_region].inputs
-        self._topk = needs_topk(args.trust_region)
+        self._spec = args.spec()  # resolved once, by the function `dppo train` builds its spec with
+        self._inputs = self._spec.region.inputs
+        self._topk = self._spec.region.needs_topk
+        if self._spec.region.batch_stats and self.accelerator.num_processes > 1:
+            raise ValueError(f"trust_region: {args.trust_region!r} reads statistics of the whole optimiser batch "
+                             f"({', '.join(self._spec.region.batch_stats)}), which DPPOTrainer computes over one "
+                             f"process's micro-batch; run it in one process (got {self.accelerator.num_processes})")
         self._k = args.resolved_top_k_logprobs
         self._turn_cells = TurnCells(self._k)
         self._pending_topk_ids = self._pending_cells = None
@@ -229,16 +234,15 @@ class DPPOTrainer(GRPOTrainer):
             divergence = _TOPK_DIVERGENCE[TRUST_REGIONS[self.args.trust_region].divergence](
                 cells, anchor_cells, inputs["rollout_topk_valid"])
         aggregation, denominator, scale = self._aggregation(inputs, mode)
-        region_inputs = {}
+        staleness = None
         if "staleness" in self._inputs:  # optimiser steps since the batch was sampled, per sequence
-            region_inputs["staleness"] = (self.state.global_step - inputs["generation_step"]).float()
+            staleness = (self.state.global_step - inputs["generation_step"]).float()
         norm = self.max_completion_length if aggregation == "seq-mean-token-sum-norm" else None
         recompute = self.args.anchor == "recompute"
-        loss, stats = policy_loss(
-            logp, rollout_logp, select_advantages(adv, selected), mask, trust_region=self.args.trust_region,
-            is_cap=self.args.is_cap, aggregation=aggregation, divergence=divergence,
-            old_logp=old_logp if recompute else None, anchor=self.args.anchor, max_response_len=norm,
-            denominator=denominator, **region_inputs, **self._region)
+        # a region's batch statistics (SAT) are this call's: one micro-batch per optimiser step (DPPOConfig checks it)
+        token_inputs = TokenInputs(divergence=divergence, old_logp=old_logp if recompute else None, staleness=staleness)
+        loss, stats = policy_loss(logp, rollout_logp, select_advantages(adv, selected), mask, self._spec, token_inputs,
+                                  max_response_len=norm, denominator=denominator)
         kl = None
         if self.beta != 0.0:  # TRL's k3 estimate of KL(π‖ref), aggregated like the policy term
             ref = inputs["ref_per_token_logps"]
@@ -375,22 +379,15 @@ class DPPOTrainer(GRPOTrainer):
         v = dict(zip(means, torch.stack(list(means.values())).tolist()))
         metrics = {
             "clip_ratio/region_mean": v["masked_frac"], "clip_ratio/high_mean": v["masked_pos_share"],
-            "clip_ratio/low_mean": v["masked_neg_share"], "dppo/masked_frac": v["masked_frac"],
-            "dppo/masked_frac_pos": v["masked_frac_pos"], "dppo/masked_frac_neg": v["masked_frac_neg"],
-            "dppo/ratio_mean": v["ratio_mean"], "dppo/ratio_max": v["ratio_max"],
-            "dppo/ratio_above_cap_frac": v["ratio_above_cap_frac"],
+            "clip_ratio/low_mean": v["masked_neg_share"],
             "sampling/sampling_logp_difference/mean": v["abs_log_ratio_mean"],
-            "sampling/sampling_logp_difference/max": v["abs_log_ratio_max"], "dppo/mismatch/tv_mean": v["binary_tv_mean"],
-            "dppo/mismatch/kl_mean": v["binary_kl_mean"],
-            "dppo/mismatch/log_ratio_gt_log2_frac": v["log_ratio_gt_log2_frac"],
+            "sampling/sampling_logp_difference/max": v["abs_log_ratio_max"],
             "dppo/unscored_frac": v["unscored_frac"], "entropy": v["entropy"]}
+        metrics.update({f"dppo/{name}": v[key] for key, name in NAMES.items() if key in v})  # dppo train's names
         for name, key in (("kl", "kl"), ("policy_loss", "policy_loss"), ("dppo/off_policy_masked_frac",
                                                                           "off_policy_masked_frac")):
             if key in v:
                 metrics[name] = v[key]
-        if "topk_tv_mean" in v:
-            metrics["dppo/mismatch/topk_tv_mean"] = v["topk_tv_mean"]
-            metrics["dppo/mismatch/topk_kl_mean"] = v["topk_kl_mean"]
         for name, value in metrics.items():
             self._metrics[mode][name].append(value)
 
