@@ -149,7 +149,7 @@ def test_nan_loss_skips_the_update_and_the_next_step_trains(tmp_path, monkeypatc
         trainer.close()
     assert not _unchanged(before, trainer), "the step after a skipped one did not train"
     assert m2["optim/nonfinite_grad_steps"] == 0.0 and m2["optim/skipped_steps_total"] == 1.0
-    assert trainer.consecutive_skips == 0
+    assert trainer.optim.consecutive_skips == 0
 
 
 def test_nan_rollout_logp_of_an_active_token_skips_the_update(tmp_path, monkeypatch):
@@ -194,11 +194,11 @@ def test_inf_gradient_skips_the_update_and_is_counted(tmp_path):
         m1 = trainer.step()
         assert _unchanged(before, trainer)
         assert m1["optim/nonfinite_grad_steps"] == 1.0 and m1["optim/nonfinite_loss_steps"] == 0.0
-        assert m1["optim/skipped_steps_total"] == 1.0 and trainer.consecutive_skips == 1
+        assert m1["optim/skipped_steps_total"] == 1.0 and trainer.optim.consecutive_skips == 1
         trainer.step()
     finally:
         trainer.close()
-    assert not _unchanged(before, trainer) and trainer.consecutive_skips == 0
+    assert not _unchanged(before, trainer) and trainer.optim.consecutive_skips == 0
 
 
 def test_consecutive_nan_losses_stop_the_run_naming_the_step(tmp_path, monkeypatch):
@@ -213,7 +213,7 @@ def test_consecutive_nan_losses_stop_the_run_naming_the_step(tmp_path, monkeypat
             trainer.train()
     finally:
         trainer.close()
-    assert trainer.step_idx == 2 and trainer.skipped_steps == 5 and _unchanged(before, trainer)
+    assert trainer.step_idx == 2 and trainer.optim.skipped_steps == 5 and _unchanged(before, trainer)
 
 
 def test_consecutive_inf_gradients_name_the_parameter(tmp_path):

@@ -42,7 +42,6 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("dppo/integrations/trl/rollout_func.py", "dppo.rollout.hf"): TO_HOIST,
     ("dppo/integrations/trl/rollout_func.py", "dppo.rollout.vllm"): TO_HOIST,
     ("dppo/rewards/__init__.py", "dppo.rewards.runner"): TO_HOIST,  # a cycle: see CYCLE_EDGES_TO_BREAK
-    ("dppo/train/trainer.py", "dppo.run_files.run_dir"): TO_HOIST,
 }
 """The only `import dppo...` statements allowed inside a function, by (file, module imported)."""
 

@@ -203,7 +203,7 @@ def test_eval_command_on_a_run(tmp_path, reward_file, capsys):
 def test_fused_optimizer_matches_the_reference_adamw():
     """make_optimizer's fused AdamW gives the per-parameter reference AdamW's update (clipped gradients, weight
     decay, several steps) to float32 rounding."""
-    from dppo.train.trainer import make_optimizer
+    from dppo.train.optim import make_optimizer
 
     torch.manual_seed(0)
     a = [torch.randn(37, 11, requires_grad=True), torch.randn(5, requires_grad=True)]

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dppo.losses import TokenInputs
 from dppo.rollout.base import Rollout
 
 
@@ -132,3 +133,41 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
         rollout_topk_valid=topk_valid if has_topk else None,
         extras=extras,
     )
+
+
+def stamp_staleness(batch: RolloutBatch, step: int) -> RolloutBatch:
+    """`batch` with the staleness of what version `step` trains on: `extras["staleness"]` [B] per response (the
+    optimiser steps since its weights), and `extras["token_staleness"]` [B, T] per token where the engine stamps each
+    token's version (an episode's later turns, an in-flight update, may be fresher)."""
+    batch.extras["staleness"] = (step - batch.weight_version).to(batch.response_ids.device)
+    if "token_version" in batch.extras:
+        batch.extras["token_staleness"] = step - batch.extras["token_version"]
+    return batch
+
+
+def minibatches(B: int, group_size: int, mini_batches: int, *, seed: int, step: int, epoch: int,
+                device: torch.device) -> list[Tensor]:
+    """Split the B = P·G sequences into `mini_batches` mini-batches of whole groups, the group order shuffled per
+    epoch and step (seeded; epoch 0 of a single mini-batch keeps the order)."""
+    G, M = group_size, mini_batches
+    gen = torch.Generator().manual_seed(seed * 7919 + step * 31 + epoch)
+    groups = torch.randperm(B // G, generator=gen) if epoch > 0 or M > 1 else torch.arange(B // G)
+    seqs = (groups[:, None] * G + torch.arange(G)[None, :]).reshape(-1).to(device)
+    return list(seqs.chunk(M))
+
+
+def loss_inputs(batch: RolloutBatch, micro: Tensor, scores, old, *, topk_divergence, n_turns: int,
+                batch_stats: dict[str, Tensor] | None) -> TokenInputs:
+    """The per-token inputs of the loss of the micro-batch `micro` (`dppo.losses.TokenInputs`): the Top-K
+    divergence of π's cells (`scores`) against the anchor's (`topk_divergence`: topk_tv/topk_kl, None for the
+    regions without one), π_old's log-probs (`old`: the recompute anchor's scores, else None), each token's
+    staleness (per token where the engine stamps it) and turn, and the mini-batch's statistics."""
+    divergence = None
+    if topk_divergence is not None:  # Top-K regions: the divergence against the anchor's top-K cells
+        anchor_cells = old.topk_logp[micro] if old is not None else batch.rollout_topk_logp[micro]
+        divergence = topk_divergence(scores.topk_logp, anchor_cells, batch.rollout_topk_valid[micro])
+    stale = batch.extras.get("token_staleness", batch.extras.get("staleness"))
+    turn = batch.extras.get("turn_index")
+    return TokenInputs(divergence=divergence, old_logp=old.logp[micro] if old is not None else None,
+                       staleness=stale[micro] if stale is not None else None,
+                       turn_index=turn[micro] if turn is not None else None, n_turns=n_turns, batch_stats=batch_stats)

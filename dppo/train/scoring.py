@@ -19,6 +19,7 @@ full log-softmax) that both layouts are tested against.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Sequence
 
 import torch
@@ -269,3 +270,18 @@ class ScoringModule(nn.Module):
 
     def forward(self, prompt_ids, response_ids, response_mask, **kwargs) -> Scores:
         return score_responses(self.model, prompt_ids, response_ids, response_mask, layout=self.layout, **kwargs)
+
+
+def score_batch(scorer: nn.Module, batch, idx: Tensor, *, grad: bool, with_entropy: bool = False, temperature: float,
+                pad_id: int, autocast_bf16: bool = False) -> Scores:
+    """π's log-probs (and top-K cells at µ's ids, entropy) of the sequences `idx` of a `RolloutBatch`, through
+    `scorer` (a `ScoringModule`, DDP/FSDP2-wrapped under torchrun), with gradient or without, under bf16 autocast
+    when `autocast_bf16`."""
+    device = next(scorer.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext()
+    with (contextlib.nullcontext() if grad else torch.no_grad()), autocast:
+        return scorer(
+            [batch.prompt_ids[i] for i in idx.tolist()], batch.response_ids[idx], batch.response_mask[idx],
+            temperature=temperature, topk_ids=batch.rollout_topk_ids[idx] if batch.rollout_topk_ids is not None else None,
+            with_entropy=with_entropy, pad_id=pad_id,
+        )

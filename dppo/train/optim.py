@@ -1,0 +1,83 @@
+"""The optimiser step that never lets a non-finite value reach the weights (fused AdamW with a linear warm-up).
+
+`GuardedOptimizer.step` clips and applies an update only when the mini-batch's loss and global gradient norm are
+finite (one host sync per optimiser step); otherwise the step is skipped with the weights and the optimiser state
+untouched, counted, announced when a streak starts and every `SKIP_WARN_EVERY`-th skip, and
+`train.max_consecutive_skips` skips in a row stop the run with an error naming the first non-finite tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from dppo.train.distributed import Dist, local_tensor
+
+SKIP_WARN_EVERY = 10  # a skipped optimiser step is announced when a streak starts and then every 10th skip
+
+
+def make_optimizer(params: list[Tensor], **hyper) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel over all parameters) where torch has it: for SmolLM2-135M on CPU one step took
+    0.35 s against 2.04 s for the default per-parameter loop (side by side, same gradients), the same update to
+    float32 rounding (tests/test_trainer.py). Sharded (DTensor) parameters keep the default implementation."""
+    from torch.distributed.tensor import DTensor
+
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and not isinstance(p, DTensor) for p in params)
+    return torch.optim.AdamW(params, fused=fused or None, **hyper)
+
+
+
+class GuardedOptimizer:
+    """AdamW over `params` with the warm-up schedule (lr · min(1, (s + 1) / warmup_steps)) behind the finiteness
+    guard of the module docstring. `skipped_steps` and `consecutive_skips` are the counters a checkpoint and the
+    metrics read; `announce(line)` prints a skip."""
+
+    def __init__(self, model: nn.Module, params: list[Tensor], dist: Dist, *, lr: float, betas: tuple[float, float],
+                 weight_decay: float, warmup_steps: int, grad_clip: float, max_consecutive_skips: int,
+                 announce: Callable[[str], None]) -> None:
+        self.model, self.params, self.dist, self.announce = model, params, dist, announce
+        self.grad_clip, self.limit = grad_clip, max_consecutive_skips
+        self.optimizer = make_optimizer(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        warm = warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        self.skipped_steps = 0
+        self.consecutive_skips = 0  # optimiser steps skipped in a row; max_consecutive_skips stops the run
+        self._first_skip: tuple[int, str] | None = None  # (step, non-finite tensor) that began the current streak
+
+    def step(self, loss_finite: Tensor, step: int) -> Tensor:
+        """Clip and step only if the mini-batch's loss and gradient norm are finite; otherwise skip (weights and
+        optimiser state untouched) and count it. `step`: the training step being computed. Returns the norm."""
+        grad_norm = self.dist.grad_norm(self.params)  # global: the same on every rank
+        if bool(self.dist.all_true(torch.isfinite(grad_norm) & loss_finite)):  # the one host sync per optimiser step
+            if self.grad_clip > 0:
+                self.dist.clip_(self.params, self.grad_clip, grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.consecutive_skips, self._first_skip = 0, None
+        else:
+            self.skip(step, loss_finite=bool(loss_finite))  # before zero_grad: it names the first non-finite gradient
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.detach()
+
+    def skip(self, step: int, *, loss_finite: bool = True, culprit: str | None = None) -> None:
+        """Count a skipped optimiser step of training step `step`; too many in a row raise RuntimeError naming the
+        non-finite tensor (`culprit`, else the loss or the first non-finite gradient)."""
+        if culprit is None:
+            culprit = "loss" if not loss_finite else next(
+                (f"gradient of {n}" for n, p in self.model.named_parameters()
+                 if p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all())), "gradient norm")
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        self._first_skip = self._first_skip or (step, culprit)
+        limit = self.limit
+        if self.consecutive_skips == 1 or self.skipped_steps % SKIP_WARN_EVERY == 0:  # not one line per skip
+            self.announce(f"[dppo] step {step}: optimiser step skipped, non-finite {culprit} "
+                          f"({self.consecutive_skips} in a row, limit {limit}; {self.skipped_steps} in total)")
+        if self.consecutive_skips >= limit:
+            first_step, first = self._first_skip
+            raise RuntimeError(f"step {step}: {self.consecutive_skips} consecutive optimiser steps skipped for non-finite "
+                               f"values (train.max_consecutive_skips = {limit}); first non-finite tensor: {first} "
+                               f"(at step {first_step}); latest: {culprit}")

@@ -1,0 +1,185 @@
+"""A training step's metrics: the per-micro-batch sums of the update (`StepAccumulator`), the step's own values
+(rewards, lengths, staleness: `step_metrics`), the loss's per-token diagnostics (`loss_diagnostics`) and the
+samples written to samples.jsonl. Every value stays a tensor until the step's one host sync
+(`Dist.reduce_metrics`); the names of the loss's means come from `dppo.metrics.NAMES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dppo import metrics
+from dppo.divergence import binary_tv
+from dppo.train.batch import RolloutBatch
+
+
+class StepAccumulator:
+    """Sums per-micro-batch stats as tensors; `result` divides once (no host sync until the step ends)."""
+
+    def __init__(self, device: torch.device, max_staleness: int = 0, max_turns: int = 0) -> None:
+        self.max_staleness = max_staleness  # the mismatch and masked fraction per staleness 0..k
+        self.max_turns = max_turns  # ... and per turn 0..max_turns-1 of multi-turn episodes
+        self.sums: dict[str, Tensor] = {}
+        self.weights: dict[str, Tensor] = {}
+        self.ratio_max = torch.zeros((), device=device)
+        self.grad_norms: list[Tensor] = []
+        self.nonfinite_losses = torch.zeros((), device=device)
+        self.hist = torch.zeros(len(metrics.MU_BUCKETS) + 1, device=device)
+
+    def _add(self, key: str, value: Tensor, weight: Tensor) -> None:
+        self.sums[key] = self.sums.get(key, 0) + value.detach().float() * weight
+        self.weights[key] = self.weights.get(key, 0) + weight
+
+    def add_minibatch_loss(self, loss: Tensor) -> None:
+        self._add("loss/policy", loss, torch.ones((), device=loss.device))
+
+    def add_loss(self, stats: dict[str, Tensor]) -> None:
+        n = stats["n_tokens"]
+        for name, value, weight in metrics.loss_terms(stats):  # the loss's means, under `metrics.NAMES`
+            self._add(name, value, weight)
+        for key in metrics.SPLIT_KEYS:  # the mismatch split (loss.split_mismatch), per active token
+            if key in stats:
+                self._add(key, stats[key], n)
+        self.ratio_max = torch.maximum(self.ratio_max, stats["ratio_max"].float())
+        if "masked_mu_hist" in stats:
+            self.hist += stats["masked_mu_hist"]
+        for by in ("staleness", "turn"):
+            if f"masked_by_{by}" in stats:
+                n = stats[f"n_by_{by}"]
+                frac = stats[f"masked_by_{by}"] / n.clamp(min=1)
+                for j in range(n.shape[0]):
+                    self._add(f"trust_region/masked_frac_{'stale' if by == 'staleness' else 'turn'}_{j}", frac[j], n[j])
+
+    def add_mismatch(self, batch: RolloutBatch, micro: Tensor, scores) -> None:
+        mask, logp, mu = batch.loss_mask[micro], scores.logp.detach(), batch.rollout_logp[micro]
+        cells = scores.topk_logp is not None and batch.rollout_topk_logp is not None
+        stats = metrics.mismatch_stats(
+            logp, mu, mask, logp_cells=scores.topk_logp if cells else None,
+            rollout_cells=batch.rollout_topk_logp[micro] if cells else None,
+            cells_valid=batch.rollout_topk_valid[micro] if cells else None)
+        n = stats.pop("n_tokens")
+        for key, value in stats.items():
+            self._add(f"mismatch/{key}", value, n)
+        if scores.entropy is not None:
+            self._add("policy/entropy", *metrics.token_mean(scores.entropy, mask))
+        if "staleness" in batch.extras:  # (set by `step`; absent in a batch made by hand)
+            total, count = metrics.per_group_sums(binary_tv(logp, mu), mask, batch.extras["staleness"][micro],
+                                                  self.max_staleness + 1)
+            for j in range(count.shape[0]):
+                self._add(f"mismatch/binary_tv_stale_{j}", total[j] / count[j].clamp(min=1), count[j])
+        if self.max_turns and "turn_index" in batch.extras:  # per turn of an episode (generated tokens only)
+            turn = batch.extras["turn_index"][micro]
+            total, count = metrics.per_group_sums(binary_tv(logp, mu), mask, turn, self.max_turns)
+            for j in range(count.shape[0]):
+                self._add(f"mismatch/binary_tv_turn_{j}", total[j] / count[j].clamp(min=1), count[j])
+            if "token_staleness" in batch.extras:
+                stale = batch.extras["token_staleness"][micro].float()
+                total, count = metrics.per_group_sums(stale, mask, turn, self.max_turns)
+                for j in range(count.shape[0]):
+                    self._add(f"rollout/staleness_turn_{j}", total[j] / count[j].clamp(min=1), count[j])
+
+    def add_grad_norm(self, grad_norm: Tensor, loss_finite: Tensor) -> None:
+        self.grad_norms.append(grad_norm.float())
+        self.nonfinite_losses = self.nonfinite_losses + (~loss_finite).float()
+
+    def result(self) -> dict[str, Tensor]:
+        out = {k: self.sums[k] / torch.as_tensor(self.weights[k]).clamp(min=1e-12) for k in self.sums}
+        # the token count behind each per-turn value: `prune_unreached` drops the values of turns no episode reached
+        out.update({f"count/{k}": torch.as_tensor(self.weights[k]) for k in self.sums if "_turn_" in k})
+        out["ratio/max"] = self.ratio_max
+        norms = torch.stack(self.grad_norms)
+        out["optim/grad_norm"] = norms.mean()
+        out["optim/nonfinite_grad_steps"] = (~torch.isfinite(norms)).float().sum()
+        out["optim/nonfinite_loss_steps"] = self.nonfinite_losses
+        out.update({f"trust_region/{k}": v for k, v in metrics.masked_mu_shares(self.hist).items()})
+        return out
+
+
+
+def step_metrics(batch: RolloutBatch, rewards: Tensor, reward_stats: dict, adv_stats: dict, update: dict, *,
+                 lr: float, skipped_steps: int, max_staleness: int) -> dict[str, Any]:
+    """The step's metrics before the one host sync (`perf/*` timings are added by the trainer)."""
+    lengths = batch.response_lengths.float()
+    return {
+        "reward/mean": rewards.mean(),
+        "reward/std": rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
+        "reward/accuracy": (rewards >= 1.0 - 1e-6).float().mean(),
+        "reward/failures": float(reward_stats.get("failures", 0)),
+        "reward/timeouts": float(reward_stats.get("timeouts", 0)),
+        "response/length_mean": lengths.mean(),
+        "response/length_max": lengths.max(),
+        "response/truncated_frac": float(sum(r == "length" for r in batch.finish_reason)) / len(batch.finish_reason),
+        "advantage/zero_group_frac": adv_stats["zero_adv_group_frac"],
+        **staleness_metrics(batch, max_staleness),
+        **update,
+        "optim/lr": lr,
+        "optim/skipped_steps_total": float(skipped_steps),
+        "perf/response_tokens": lengths.sum(),
+        "perf/prompt_tokens": float(sum(int(p.numel()) for p in batch.prompt_ids)),
+    }
+
+
+def staleness_metrics(batch: RolloutBatch, max_staleness: int) -> dict[str, Any]:
+    """How many optimiser steps behind the trainer each trained response's weights were, from the versions the
+    source recorded: mean, max, and the share per value 0..max_staleness (the source's bound)."""
+    st = batch.extras["staleness"].float()
+    out = {"rollout/staleness_mean": st.mean(), "rollout/staleness_max": st.max()}
+    for j in range(max_staleness + 1):
+        out[f"rollout/staleness_frac_{j}"] = (st == j).float().mean()
+    return out
+
+
+def prune_unreached(values: dict[str, float], max_staleness: int) -> dict[str, float]:
+    """The synced metrics without the per-turn values of turns no episode reached (their `count/` is 0) and the
+    per-staleness values of a staleness not trained: they are computed as tensors (knowing which are empty would
+    need a host sync of its own) and dropped here, after the step's one sync."""
+    out = dict(values)
+    for key in [k for k in out if k.startswith("count/")]:
+        if out.pop(key) == 0.0:
+            out.pop(key[len("count/"):], None)
+    for j in range(max_staleness + 1):
+        if out[f"rollout/staleness_frac_{j}"] == 0.0:
+            out.pop(f"mismatch/binary_tv_stale_{j}", None)
+            out.pop(f"trust_region/masked_frac_stale_{j}", None)
+    return out
+
+
+def loss_diagnostics(stats: dict[str, Tensor], batch: RolloutBatch, micro: Tensor, logp: Tensor,
+                     old_logp: Tensor | None, *, max_staleness: int, max_turns: int) -> dict[str, Tensor]:
+    """A loss's stats with its trust-region mask `keep` turned into what `StepAccumulator.add_loss` sums: the
+    masked share by µ bucket, per staleness and per turn of an episode, and with `old_logp` (π_old's log-probs of the
+    micro-batch, loss.split_mismatch) the masked share split into mismatch and update."""
+    stats = dict(stats)
+    if "keep" not in stats:
+        return stats
+    mask, rollout_logp = batch.loss_mask[micro], batch.rollout_logp[micro]  # generated tokens only
+    keep = stats.pop("keep")
+    stats["masked_mu_hist"] = metrics.masked_mu_histogram(keep, rollout_logp, mask)
+    if "staleness" in batch.extras:  # masked tokens per staleness
+        stats["masked_by_staleness"], stats["n_by_staleness"] = metrics.per_group_sums(
+            ~keep, mask, batch.extras["staleness"][micro], max_staleness + 1)
+    if "turn_index" in batch.extras:  # masked tokens per turn of an episode
+        stats["masked_by_turn"], stats["n_by_turn"] = metrics.per_group_sums(
+            ~keep, mask, batch.extras["turn_index"][micro], max_turns)
+    if old_logp is not None:
+        split = metrics.mismatch_split(logp.detach(), old_logp, rollout_logp, mask, keep)
+        split.pop("n_tokens")  # (the loss's own count)
+        stats.update(split)
+    return stats
+
+
+def samples(completions: list[str], rewards: Tensor, batch: RolloutBatch, examples: list, n: int) -> list[dict[str, Any]]:
+    """The first `n` responses of the step as samples.jsonl rows (prompt, completion, answer, reward)."""
+    n = min(n, len(completions))
+    idx = batch.prompt_index.tolist()
+    return [{"prompt": _prompt_text(examples[idx[i]].prompt), "completion": completions[i],
+             "answer": examples[idx[i]].answer, "reward": float(rewards[i])} for i in range(n)]
+
+
+def _prompt_text(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
