@@ -36,20 +36,15 @@ TO_HOIST = "to hoist after the parallel refactor (issue 31)"
 rewritten in parallel, so their imports were left where they were)."""
 
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
-    # (file, module imported inside a function): why it is not at the top of the file.
-    # An optional heavy dependency: name the package it pulls in ("dppo.rollout.x imports vllm at its top").
-    # to hoist after the parallel refactor:
-    ("dppo/integrations/trl/rollout_func.py", "dppo.rollout.hf"): TO_HOIST,
-    ("dppo/integrations/trl/rollout_func.py", "dppo.rollout.vllm"): TO_HOIST,
-    ("dppo/rewards/__init__.py", "dppo.rewards.runner"): TO_HOIST,  # a cycle: see CYCLE_EDGES_TO_BREAK
+    # (file, module imported inside a function): why it is not at the top of the file, naming the heavy package.
+    ("dppo/integrations/trl/rollout_func.py", "dppo.rollout.vllm"):
+        "dppo.rollout.vllm imports vllm (optional, seconds to import) at its top; only the 'vllm' engine needs it",
+    ("dppo/rewards/__init__.py", "dppo.rewards.runner"):
+        "dppo.rewards.runner imports torch; reward worker processes import dppo.rewards and start without it",
 }
 """The only `import dppo...` statements allowed inside a function, by (file, module imported)."""
 
-CYCLE_EDGES_TO_BREAK: dict[tuple[str, str], str] = {
-    # dppo.rewards -> runner (type-only and in `reward_runner`) -> dppo.rewards; worker -> dppo.rewards (in a function)
-    ("dppo/rewards/__init__.py", "dppo.rewards.runner"): TO_HOIST,
-    ("dppo/rewards/worker.py", "dppo.rewards"): TO_HOIST,
-}
+CYCLE_EDGES_TO_BREAK: dict[tuple[str, str], str] = {}
 """Imports left out of the cycle check: each closes a cycle that is still to be broken."""
 
 

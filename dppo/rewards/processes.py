@@ -30,7 +30,7 @@ from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 
 from dppo.example import Example, RewardFn
-from dppo.rewards import SPEC_ATTRIBUTE
+from dppo.rewards.registry import SPEC_ATTRIBUTE
 from dppo.rewards.strategy import Outcomes
 from dppo.rewards.worker import Payload
 

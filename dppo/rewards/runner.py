@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from dppo.example import Example, RewardFn
-from dppo.rewards import SPEC_ATTRIBUTE, default_isolation, get_reward
+from dppo.rewards.registry import SPEC_ATTRIBUTE, default_isolation, get_reward
 from dppo.rewards.inline import InlineStrategy
 from dppo.rewards.processes import ProcessStrategy
 from dppo.rewards.strategy import Outcomes, Strategy

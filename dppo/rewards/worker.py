@@ -22,7 +22,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dppo.rewards import get_reward
+from dppo.rewards.registry import get_reward
 
 Payload = tuple[str, Any]
 """("spec", "module:fn" | "file.py:fn") or ("pickle", bytes)."""

@@ -12,6 +12,7 @@ import torch
 from accelerate.utils import is_peft_model
 
 from dppo.rollout.base import SamplingParams
+from dppo.rollout.hf import HFEngine
 
 __all__ = ["DPPORolloutFunc", "dppo_rollout_func"]
 
@@ -54,8 +55,6 @@ class DPPORolloutFunc:
 
     def _build(self, model, tokenizer, args):
         if self.spec == "hf":
-            from dppo.rollout.hf import HFEngine
-
             clone = copy.deepcopy(model)
             vars(clone).pop("forward", None)  # TRL's fused-head forward is bound to (and runs) the trainer's module
             return HFEngine(clone, tokenizer, seed=args.seed, copy=False, **self.engine_kwargs)

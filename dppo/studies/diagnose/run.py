@@ -126,7 +126,7 @@ def run_diagnose(
         batch = collate(eng.generate(engine_prompts(examples, tokenizer), params), pad_id=pad_id)
         timing["generate"] = time.perf_counter() - t0
     finally:
-        getattr(eng, "close", lambda: None)()
+        eng.close()
 
     t0 = time.perf_counter()
     with torch.no_grad():
