@@ -9,11 +9,13 @@ the built-in `calculator` (a `calculate(expression)` tool, answers scored by the
 (`dppo sft`, 200 steps x 32 demonstrations) makes every episode a tool call, its result and an answer; RL then
 trains on those episodes (20 steps x 8 x 8, lr 1e-4). Checked: the evaluation without tools (`env.name ""`) is one
 turn and no call; after the warm start nearly every episode calls the tool, and some answers are right (the tool's
-result reaches the model); the RL episodes carry the calls and the tool's messages (environment tokens); RL cuts the
-malformed calls (tool errors per held-out episode 0.25 -> 0.00 measured; with the advantage zeroed nothing moves) and
-pass@1 with tools after RL beats the model without tools by 0.25 (measured 0.55 vs 0). The training reward stays
-near the warm start's 0.5 over these 20 steps; that DPPO raises an episode reward is `tests/test_learning.py`'s
-feedback test, and raising pass@1 with tools on a model that needs them is the benchmark below. Fixed seeds.
+result reaches the model and is copied; measured pass@1 0.55); every RL step's episodes carry the calls and the
+tool's messages (environment tokens, not trained); pass@1 with tools after RL beats the model without tools by 0.25
+(measured 0.55 vs 0). Fixed seeds. Not checked here: that RL raises the reward of tool episodes. On this model it
+does not within a test's budget (the training reward stays near the warm start's 0.5 over 20 steps at lr 1e-4; at
+5e-4 it drops), and the held-out tool errors fell 0.25 -> 0 with the advantage zeroed too (sampling, not learning).
+That DPPO raises an episode reward is `tests/test_learning.py`'s feedback test; raising pass@1 with tools on a model
+that needs them is the benchmark below.
 
 The long form, SmolLM2-135M on 4-5 three-digit terms the model cannot add in its head (18 min on 2 cores):
 `benchmarks/bench_calculator_learning.py`, quoted in docs/agents.md "Results".
@@ -83,7 +85,7 @@ def test_the_warm_start_calls_the_tool_well_formed(calculator_run):
     _, results, _ = calculator_run
     before = results["eval_before"]
     assert before["tool_calls"] >= 0.9 and before["tool_errors"] <= 0.3 and before["turns"] >= 1.9, before
-    assert before["pass@1"] > 0, before  # the tool's result reaches the model and is copied into the answer
+    assert before["pass@1"] >= 0.3, before  # the tool's result reaches the model and is copied (0.55; 0.10 unparsed)
 
 
 def test_rl_trains_on_tool_using_episodes_and_beats_the_model_without_tools(calculator_run):
@@ -94,5 +96,4 @@ def test_rl_trains_on_tool_using_episodes_and_beats_the_model_without_tools(calc
     print(line)
     assert all(r["episode/tool_calls_mean"] >= 0.8 for r in rows), line
     assert all(r["episode/env_token_frac"] > 0.1 for r in rows), line  # the tool's messages, not trained
-    assert results["eval_after"]["tool_errors"] < results["eval_before"]["tool_errors"], line  # (measured 0.25 -> 0)
     assert results["eval_after"]["pass@1"] >= no_tools["pass@1"] + 0.25, line  # (measured 0.55 vs 0)
