@@ -15,7 +15,7 @@ one JSON line. Measured on a 2-core AMD EPYC Zen 3 (AVX2), fp32: 18 min 15 s in 
 The unit test `tests/test_agent_learning.py` checks the same pipeline on a tiny model in a few minutes.
 
     nice .venv/bin/python benchmarks/bench_calculator_learning.py                  # ~18 min on 2 free cores
-    nice .venv/bin/python benchmarks/bench_calculator_learning.py --steps 2 --eval-size 4   # the pipeline, ~5 min
+    nice .venv/bin/python benchmarks/bench_calculator_learning.py --steps 1 --eval-size 2 --sft-steps 1   # ~3 min
 """
 
 from __future__ import annotations
