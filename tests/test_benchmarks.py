@@ -33,7 +33,7 @@ def test_there_are_benchmarks():
 def test_a_benchmark_imports_no_other_benchmark_and_uses_common(script):
     others = {p.stem for p in SCRIPTS} - {script.stem}
     imported = imported_modules(script)
-    assert not imported & others, f"{script.name} imports {sorted(imported & others)}: move what they share to common.py"
+    assert not imported & others, f"{script.name} imports {sorted(imported & others)}: share through common.py"
     assert "common" in imported, f"{script.name} does not use benchmarks/common.py (its final JSON line: common.emit)"
 
 
