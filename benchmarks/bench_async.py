@@ -25,13 +25,12 @@ one run; absolute times on a shared machine are noise.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_engine_choice import demo_steps  # (benchmarks/ is on sys.path when a benchmark runs as a script)
+from common import demo_steps, emit  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 
 def run_variant(name: str, extra: list[str], steps: int, out: Path) -> dict:
@@ -83,8 +82,8 @@ def main() -> None:
               f"{by['sync-2t']['step_s'] / r['step_s']:>10.2f}x{base['step_s'] / r['step_s']:>10.2f}x")
     print(f"projection (not a measurement), engine and trainer on separate devices: g = {g:.2f} s, t = {t:.2f} s, "
           f"p = {p:.2f} s -> (g + t + p) / max(g, t + p) = {projected:.2f}x")
-    print(json.dumps({"benchmark": "async", "cpu": cpu_name(), "steps": args.steps, "results": results,
-                      "projection": {"generation_s": g, "trainer_s": t, "publish_s": p, "speedup": projected}}))
+    emit({"benchmark": "async", "cpu": cpu_name(), "steps": args.steps, "results": results,
+          "projection": {"generation_s": g, "trainer_s": t, "publish_s": p, "speedup": projected}})
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import emit  # benchmarks/ is on sys.path when a benchmark runs as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -175,8 +177,8 @@ def main() -> None:
         print(f"{r['processes']:>9} {r['strategy']:>8} {r['threads']:>7} {r['step_s']:>7.3f} {r['generation_s']:>6.3f} "
               f"{r['training_s']:>7.3f} {r['sync_s']:>6.3f} {100 * r['comm_share']:>6.1f} "
               f"{r['speedup_vs_1proc_1thread']:>8.2f} {r['peak_rss_mb']:>16.0f} {r['sync_gather_mb']:>14.2f}")
-    print(json.dumps({"bench": "distributed", "model": args.model, "prompts": args.prompts, "group": args.group,
-                      "tokens": args.tokens, "steps": args.steps, "results": results}))
+    emit({"bench": "distributed", "model": args.model, "prompts": args.prompts, "group": args.group,
+          "tokens": args.tokens, "steps": args.steps, "results": results})
 
 
 if __name__ == "__main__":

@@ -14,30 +14,12 @@ exactly one JSON line. Absolute times on a shared machine are noise; compare the
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def demo_steps(label: str, extra: list[str], steps: int, out: Path) -> tuple[list[dict], float]:
-    """Run `dppo train --preset demo` for `steps` steps without evaluation, with `extra` flags, in its own process;
-    returns the metrics rows of steps 2.. (the first step, start-up, left out) and the wall seconds."""
-    cmd = [sys.executable, "-m", "dppo.cli", "train", "--preset", "demo", "--run-dir", str(out),
-           "--train.steps", str(steps), "--train.no-eval-before", "--task.eval-size", "0", "--log.no-progress",
-           "--log.no-tensorboard", *extra]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:], wall
-
+from common import demo_steps, emit  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 def run_pair(engine: str, dtype: str, steps: int, out: Path) -> dict:
     rows, wall = demo_steps(f"{engine}/{dtype}", ["--rollout.engine", engine, "--rollout.dtype", dtype], steps, out)
@@ -72,9 +54,9 @@ def main() -> None:
     for r in results:
         print(f"{r['engine']:<7}{r['dtype']:<10}{r['step_s']:>8.2f}{r['generation_s']:>8.2f}{r['training_s']:>9.2f}"
               f"{r['sync_s']:>8.2f}{r['mismatch_binary_tv']:>13.2e}{r['step_s'] / fastest['step_s']:>11.2f}x")
-    print(json.dumps({"benchmark": "engine_choice", "cpu": cpu_name(), "bf16_native": native.value == "yes",
-                      "steps": args.steps, "results": results,
-                      "fastest": f"{fastest['engine']}:{fastest['dtype']}"}))
+    emit({"benchmark": "engine_choice", "cpu": cpu_name(), "bf16_native": native.value == "yes",
+          "steps": args.steps, "results": results,
+          "fastest": f"{fastest['engine']}:{fastest['dtype']}"})
 
 
 if __name__ == "__main__":

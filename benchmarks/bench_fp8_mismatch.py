@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 
 import torch
 
@@ -35,6 +34,8 @@ from dppo.rollout.quantize import add_fp8_activation_hooks, fp8_weights
 from dppo.train.build import build_task
 from dppo.runtime.models import load_model, load_tokenizer
 from dppo.train.presets import get_preset
+
+from common import emit  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 DELTA = 0.15
 
@@ -117,9 +118,9 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:<12}{r['mean_abs_gap']:>12.4f}{r['p99_abs_gap']:>12.4f}"
               f"{r['tv_mean']:>10.4f}{r['tv_max']:>9.3f}{r['tv_over_delta']:>9.2%}")
-    print(json.dumps({"bench": "fp8_mismatch", "model": args.model, "prompts": len(prompts), "samples": args.samples,
-                      "max_new_tokens": args.max_new_tokens, "response_tokens": n_tokens, "delta": DELTA,
-                      "engines": rows}))
+    emit({"bench": "fp8_mismatch", "model": args.model, "prompts": len(prompts), "samples": args.samples,
+          "max_new_tokens": args.max_new_tokens, "response_tokens": n_tokens, "delta": DELTA,
+          "engines": rows})
 
 
 if __name__ == "__main__":

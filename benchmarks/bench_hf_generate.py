@@ -14,7 +14,6 @@ table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -23,14 +22,7 @@ from dppo.runtime.models import char_tokenizer, load_model, load_tokenizer, tiny
 from dppo.rollout.base import SamplingParams
 from dppo.rollout.hf import HFEngine
 
-QUESTIONS = [
-    "What is 17 + 25?", "Name three primary colours.", "Write a haiku about the sea.", "What is 9 times 8?",
-    "Explain what a prime number is.", "Give me a synonym for happy.", "What is the capital of France?",
-    "Sum the numbers 3, 5 and 11.", "Describe a cat in one sentence.", "What is 144 divided by 12?",
-    "List two fruits that are red.", "How many legs does a spider have?", "What comes after Tuesday?",
-    "Translate 'good morning' into French.", "What is 2 to the power of 10?", "Why is the sky blue?",
-]
-
+from common import QUESTIONS, emit  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 def build(name: str, dtype: torch.dtype):
     """(model, tokenizer-or-None, vocab) for a benchmark model name."""
@@ -121,9 +113,9 @@ def main() -> None:
         print(f"{name:<12}{tokens:>10}{secs:>10.2f}{tokens / secs:>10.1f}")
     summary["speedup"] = round(summary["hf_engine"] / summary["generate"], 2)
     print(f"speedup {summary['speedup']}x")
-    print(json.dumps({"bench": "hf_generate", "model": args.model, "dtype": args.dtype, "prompts": args.prompts,
-                      "n": args.n, "new": args.new, "fixed_length": args.fixed_length, "topk": args.topk,
-                      "threads": torch.get_num_threads(), "tok_s": summary}))
+    emit({"bench": "hf_generate", "model": args.model, "dtype": args.dtype, "prompts": args.prompts,
+          "n": args.n, "new": args.new, "fixed_length": args.fixed_length, "topk": args.topk,
+          "threads": torch.get_num_threads(), "tok_s": summary})
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from common import emit  # benchmarks/ is on sys.path when a benchmark runs as a script
+
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 TIME_TARGET = {"fp32": 1.1, "bf16": 1.3}
 MEM_TARGET = 0.25
@@ -186,10 +188,10 @@ def main() -> None:
                       f"{r['time_ratio']:>11.2f} {r['cpu_ratio']:>10.2f} {r['mem_ratio']:>10.3f} {verdict:>7}",
                       flush=True)
                 rows.append(r)
-    print(json.dumps({"benchmark": "logprobs", "device": args.device, "N": n_tokens, "H": args.hidden,
-                      "reps": args.reps, "rounds": args.rounds,
-                      "cache_mb": args.cache_mb,
-                      "targets": {"mem_ratio": MEM_TARGET, "time_ratio": TIME_TARGET}, "results": rows}))
+    emit({"benchmark": "logprobs", "device": args.device, "N": n_tokens, "H": args.hidden,
+          "reps": args.reps, "rounds": args.rounds,
+          "cache_mb": args.cache_mb,
+          "targets": {"mem_ratio": MEM_TARGET, "time_ratio": TIME_TARGET}, "results": rows})
 
 
 if __name__ == "__main__":

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -69,6 +68,8 @@ import torch
 
 from dppo.envs.base import Environment, EnvStep
 from dppo.example import Example
+
+from common import emit  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 TARGET_RATIO = 1.5
 """Token-in-token-out episodes/s over the re-tokenising loop's, at 16 turns."""
@@ -379,12 +380,12 @@ def main() -> None:
     if at16 is not None:
         print(f"target: token-in-token-out >= {TARGET_RATIO}x the re-tokenising loop's episodes/s at 16 turns: "
               f"{at16:.2f}x ({'met' if at16 >= TARGET_RATIO else 'NOT met'})")
-    print(json.dumps({"benchmark": "multiturn", "cpu": cpu_name(), "threads": torch.get_num_threads(),
-                      "engine": args.engine, "retok_prefix_cache": args.retok_prefix_cache, "model": args.model,
-                      "tiny_hidden": args.tiny_hidden if args.model == "tiny-random" else None,
-                      "episodes": args.episodes, "group": args.group, "new_tokens": args.new,
-                      "env_chars": args.env_chars, "repeats": args.repeats, "target_ratio_16": TARGET_RATIO,
-                      "ratio_16": at16, "results": results}))
+    emit({"benchmark": "multiturn", "cpu": cpu_name(), "threads": torch.get_num_threads(),
+          "engine": args.engine, "retok_prefix_cache": args.retok_prefix_cache, "model": args.model,
+          "tiny_hidden": args.tiny_hidden if args.model == "tiny-random" else None,
+          "episodes": args.episodes, "group": args.group, "new_tokens": args.new,
+          "env_chars": args.env_chars, "repeats": args.repeats, "target_ratio_16": TARGET_RATIO,
+          "ratio_16": at16, "results": results})
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ comparable numbers there; use --threads 2 (or 0) on an idle machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -32,7 +31,7 @@ from dppo.rollout.base import SamplingParams
 from dppo.rollout.hf import HFEngine
 from dppo.rollout.vllm import VLLMEngine
 
-from bench_hf_generate import QUESTIONS  # the same prompts in both benchmarks (benchmarks/ is on sys.path)
+from common import QUESTIONS, emit  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 TARGET_SPEEDUP = 2.0
 """vLLM / HF tokens/s on SmolLM2 (no top-K)."""
@@ -151,9 +150,9 @@ def main() -> None:
     targets["topk_cost_le_10pct"] = all(max(r["hf_topk_cost"], r["vllm_topk_cost"]) <= TARGET_TOPK_COST
                                         for r in results.values())
     print("targets: " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in targets.items()))
-    print(json.dumps({"bench": "rollout", "prompts": args.prompts, "new": args.new, "dtype": args.dtype,
-                      "topk": args.topk, "threads": torch.get_num_threads(), "repeats": args.repeats,
-                      "results": results, "targets": targets}))
+    emit({"bench": "rollout", "prompts": args.prompts, "new": args.new, "dtype": args.dtype,
+          "topk": args.topk, "threads": torch.get_num_threads(), "repeats": args.repeats,
+          "results": results, "targets": targets})
 
 
 if __name__ == "__main__":

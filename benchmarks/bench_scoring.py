@@ -16,28 +16,25 @@ of per-round ratios. Prints a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from common import chain_sum_options, emit, model_folder, plain_logp
 from dppo.runtime.models import load_model, load_tokenizer, resolve_model_path
-from dppo.train.presets import CHAIN_SUM_EASY
 from dppo.train.scoring import score_responses
 from dppo.tasks import make_task
 
 
 def build(args):
     if args.model == "random-10m":
-        from bench_vs_trl import model_folder  # the same random model as the TRL comparison
-
         path = model_folder("random-10m")
     else:
         path = resolve_model_path(args.model)
     tokenizer, model = load_tokenizer(path), load_model(path)
     model.train()
-    task = make_task("chain_sum", size=200, eval_size=16, **json.loads(CHAIN_SUM_EASY))
+    task = make_task("chain_sum", size=200, eval_size=16, **chain_sum_options())
     prompts = []
     for ex in list(task.train)[:args.prompts]:
         enc = tokenizer.apply_chat_template(ex.prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
@@ -48,20 +45,6 @@ def build(args):
     lengths = torch.randint(args.min_len, T + 1, (B,), generator=gen)
     mask = torch.arange(T)[None, :] < lengths[:, None]
     return model, [prompts[i // args.gens] for i in range(B)], response, mask
-
-
-def plain_logp(model, prompt_ids, response, pad_id: int = 0):
-    """log π of the [B, T] (padded) responses the way most RL trainers get it: each prompt + response sequence
-    left-padded and run whole, logits at the response positions, full log-softmax, gather."""
-    seqs = [torch.cat([p, r]) for p, r in zip(prompt_ids, response)]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    att = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):], att[i, width - len(s):] = s, 1
-    T = response.shape[1]
-    logits = model(input_ids=ids, attention_mask=att).logits[:, -T - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, response[..., None]).squeeze(-1)
 
 
 def run(mode, model, prompt_ids, response, mask) -> float:
@@ -103,8 +86,8 @@ def main() -> None:
         ratio = statistics.median(t / p for t, p in zip(times[mode], times["packed"]))
         print(f"{mode:<8}{statistics.median(times[mode]):>10.2f}{ratio:>10.2f}x")
         rows.append({"layout": mode, "median_s": statistics.median(times[mode]), "vs_packed": ratio})
-    print(json.dumps({"benchmark": "bench_scoring", "model": args.model, "prompts": args.prompts, "gens": args.gens,
-                      "new": args.new, "response_tokens": tokens, "results": rows}))
+    emit({"benchmark": "bench_scoring", "model": args.model, "prompts": args.prompts, "gens": args.gens,
+          "new": args.new, "response_tokens": tokens, "results": rows})
 
 
 if __name__ == "__main__":

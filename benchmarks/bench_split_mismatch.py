@@ -9,7 +9,6 @@ it. The split costs the same as `--loss.anchor recompute` and nothing more with 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 
@@ -18,6 +17,8 @@ import torch
 from dppo.train.config import replace
 from dppo.train.presets import get_preset
 from dppo.train.trainer import Trainer
+
+from common import emit  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 PHASES = ("generation", "reward", "recompute", "training", "sync", "metrics")
 
@@ -50,8 +51,8 @@ def main() -> None:
     print(f"split-mismatch forward (recompute phase) / step, median over {len(rows)} steps: {share:.1%}")
     split = {k: statistics.mean(r[k] for r in rows) for k in ("mismatch/old_rollout_tv_mean",
                                                                "mismatch/current_old_tv_mean")}
-    print(json.dumps({"bench": "split_mismatch", "model": args.model, "steps": len(rows), "threads": args.threads,
-                      "step_s": step, "recompute_s": med["recompute"], "recompute_share": share, **split}))
+    emit({"bench": "split_mismatch", "model": args.model, "steps": len(rows), "threads": args.threads,
+          "step_s": step, "recompute_s": med["recompute"], "recompute_share": share, **split})
 
 
 if __name__ == "__main__":

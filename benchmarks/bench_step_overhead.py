@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_vs_trl import dppo_config, model_folder  # noqa: E402
+from common import dppo_config, emit, model_folder, timed  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -42,12 +42,6 @@ class _Keep(Trainer):
     def _update(self, batch, adv, old, timer=None):
         self.last = (batch, adv)
         return super()._update(batch, adv, old, timer)
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -97,8 +91,8 @@ def main() -> None:
     print(f"{'step':>8}{'gen':>8}{'A step':>9}{'B again':>9}{'C after gen':>13}{'D new shapes':>14}{'step/parts':>12}")
     print(f"{med['step_s']:>8.2f}{med['gen_s']:>8.2f}{med['A_in_step_s']:>9.2f}{med['B_same_again_s']:>9.2f}"
           f"{med['C_old_after_gen_s']:>13.2f}{med['D_new_not_after_gen_s']:>14.2f}{med['step_s'] / parts:>12.2f}")
-    print(json.dumps({"model": args.model, "precision": args.precision, "engine": args.engine, **med,
-                      "step_over_parts": med["step_s"] / parts, "A_over_B": med["A_in_step_s"] / med["B_same_again_s"]}))
+    emit({"model": args.model, "precision": args.precision, "engine": args.engine, **med,
+          "step_over_parts": med["step_s"] / parts, "A_over_B": med["A_in_step_s"] / med["B_same_again_s"]})
 
 
 if __name__ == "__main__":

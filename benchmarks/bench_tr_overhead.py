@@ -20,13 +20,14 @@ Prints a table for people, then one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
 from dppo.divergence import topk_tv
 from dppo.losses import TokenInputs, loss_spec, policy_loss
+
+from common import emit  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 try:
     from dppo.logprobs import fused_logprobs
@@ -124,12 +125,12 @@ def main() -> None:
         print(f"{name:<18}{ms:>10.3f}{100 * ms / lm_ms:>14.3f}%")
     worst = max(r["pct_of_lm_head"] for r in rows.values())
     print(f"worst: {worst:.3f}% (target < {TARGET_PCT}%): {'PASS' if worst < TARGET_PCT else 'FAIL'}")
-    print(json.dumps({
+    emit({
         "bench": "tr_overhead", "N": N, "B": args.B, "T": args.T, "H": args.H, "V": args.V, "K": args.K,
         "threads": torch.get_num_threads(), "rounds": args.rounds, "reps": args.reps, "lm_head": lm_kind,
         "lm_head_ms": round(lm_ms, 3), "variants": rows, "worst_pct": worst, "target_pct": TARGET_PCT,
         "pass": worst < TARGET_PCT,
-    }))
+    })
 
 
 if __name__ == "__main__":

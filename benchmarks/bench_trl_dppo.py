@@ -34,15 +34,16 @@ import tempfile
 import time
 import warnings
 
+from common import LR, child_result, emit  # benchmarks/ is on sys.path when a benchmark runs as a script
+
 SYSTEMS = ("grpo", "dppo", "dppo-topk", "dppo-hf")
 TARGET_OVERHEAD = 0.02
 """Largest acceptable (dppo step time / grpo step time) - 1."""
-LR = 3e-5
 
 
 def child(args) -> dict:
     import torch
-    from bench_vs_trl import examples, model_folder  # benchmarks/ is on sys.path
+    from common import chain_sum_examples as examples, model_folder
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
@@ -121,7 +122,7 @@ def timed(trainer, name: str, sink: list, only_grad: bool = False) -> None:
 def ab_child(args) -> dict:
     """Forward + loss + backward of one generation batch, grpo / dppo / dppo-topk on identical weights, interleaved."""
     import torch
-    from bench_vs_trl import examples, model_folder
+    from common import chain_sum_examples as examples, model_folder
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -169,8 +170,6 @@ def run_child(args, system: str) -> dict:
     cmd = [sys.executable, __file__, "--child", "--system", system, "--model", args.model, "--prompts", str(args.prompts),
            "--gens", str(args.gens), "--new", str(args.new), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--threads", str(args.threads), "--ab-repeats", str(args.ab_repeats)]
-    from bench_vs_trl import child_result
-
     t0 = time.perf_counter()
     out = child_result(cmd, system, TRL_EXPERIMENTAL_SILENCE="1")
     what = f"{out['step_s']:.2f} s/step" if "step_s" in out else "A/B on one batch"
@@ -236,9 +235,9 @@ def report(args, runs: dict[str, list[dict]], ab: dict | None) -> None:
             ab[name]["overhead_vs_grpo"] = over
             print(f"  {name:<11}{ab[name]['median_s']:>8.3f} s{fmt(over):>9}   (min {ab[name]['min_s']:.3f} s)")
         checks["dppo_loss_overhead_ok"] = ab["dppo"]["overhead_vs_grpo"] <= TARGET_OVERHEAD
-    print(json.dumps({"benchmark": "bench_trl_dppo", "model": args.model, "prompts": args.prompts,
-                      "generations": args.gens, "new_tokens": args.new, "steps": args.steps, "repeats": args.repeats,
-                      "threads": args.threads, "results": summary, "ab": ab, "checks": checks}))
+    emit({"benchmark": "bench_trl_dppo", "model": args.model, "prompts": args.prompts,
+          "generations": args.gens, "new_tokens": args.new, "steps": args.steps, "repeats": args.repeats,
+          "threads": args.threads, "results": summary, "ab": ab, "checks": checks})
 
 
 if __name__ == "__main__":

@@ -28,51 +28,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from dppo.train.presets import CHAIN_SUM_EASY
+from common import LR, chain_sum_examples, child_result, dppo_config, emit, model_folder, peak_rss_gib, plain_logp
 
 TARGETS = {"vllm": 2.5, "hf": 1.5}
 """Smallest acceptable dppo / TRL response-tokens/s ratio on SmolLM2."""
 TARGET_OVERHEAD = 1.2
 """Largest acceptable dppo step time / (generation alone + training alone)."""
-CHAIN_SUM = json.loads(CHAIN_SUM_EASY)  # the demo's task: chain_sum with two one-digit terms
-LR = 3e-5
-
-
-def model_folder(name: str) -> str:
-    """A local folder holding the model and a tokenizer (both TRL and dppo load it by path)."""
-    from dppo.runtime.models import cache_dir, load_tokenizer, resolve_model_path, save_model, tiny_random_model
-
-    smollm2 = resolve_model_path("smollm2-135m")
-    if name == "smollm2-135m":
-        return str(smollm2)
-    if name != "random-10m":
-        raise SystemExit(f"--models: unknown model {name!r} (random-10m, smollm2-135m)")
-    folder = cache_dir() / "bench-random-10m"
-    if not (folder / "config.json").is_file():  # ~10M parameters with SmolLM2's tokenizer (vocab 49152, tied)
-        tokenizer = load_tokenizer(smollm2)
-        model = tiny_random_model(tokenizer, hidden_size=160, num_layers=6, num_heads=5, num_kv_heads=5,
-                                  intermediate_size=512, seed=0)
-        save_model(model, tokenizer, folder)
-    return str(folder)
-
-
-def examples(count: int):
-    from dppo.tasks import make_task
-
-    task = make_task("chain_sum", size=200, eval_size=16, **CHAIN_SUM)
-    return list(task.train)[:count], task.reward
-
-
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 # --------------------------------------------------------------------------------------------------- TRL
@@ -82,7 +48,7 @@ def run_trl(args, folder: str, bf16: bool) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    exs, reward = examples(args.prompts * (args.warmup + args.steps))
+    exs, reward = chain_sum_examples(args.prompts * (args.warmup + args.steps))
     data = Dataset.from_list([{"prompt": ex.prompt, "index": i} for i, ex in enumerate(exs)])
 
     def reward_fn(completions, index, **_):
@@ -126,23 +92,6 @@ def run_trl(args, folder: str, bf16: bool) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- dppo
-def dppo_config(args, folder: str, engine: str, bf16: bool, run_dir: str):
-    from dppo.train.config import replace
-    from dppo.train.presets import demo
-
-    return replace(
-        demo(),
-        model={"name": folder, "dtype": "float32", "autocast_bf16": bf16},
-        rollout={"engine": engine, "dtype": "bfloat16" if bf16 else "float32", "prompts_per_step": args.prompts,
-                 "group_size": args.gens, "max_new_tokens": args.new, "temperature": 1.0},
-        loss={"trust_region": "dppo_binary_tv"},
-        optim={"lr": LR},
-        train={"steps": args.warmup + args.steps, "mini_batches": args.mini_batches,
-               "micro_batch_size": args.micro_batch_size, "eval_before": False, "threads": args.threads},
-        log={"run_dir": run_dir, "progress": False},
-    )
-
-
 def run_dppo(args, folder: str, engine: str, bf16: bool) -> dict:
     from dppo.train.trainer import Trainer
 
@@ -170,7 +119,6 @@ def irreducible(trainer, args) -> dict:
     """On one fresh batch: the engine generating it alone, then forward + backward + optimiser step(s) over it alone
     (as `train.mini_batches` steps), with the plain full-sequence forward and with dppo's shared-prompt forward."""
     import torch
-    from bench_scoring import plain_logp  # (benchmarks/ is on sys.path)
 
     from dppo.train.batch import collate
     from dppo.train.scoring import score_responses
@@ -236,17 +184,6 @@ def child(args) -> None:
     folder, bf16 = model_folder(args.model), args.precision == "bf16"
     out = run_trl(args, folder, bf16) if args.system == "trl" else run_dppo(args, folder, args.system, bf16)
     print("RESULT " + json.dumps(out), flush=True)
-
-
-def child_result(cmd: list[str], label: str, **env: str) -> dict:
-    """Run a benchmark child process and return the JSON of its last `RESULT ` line (its output on failure)."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **env}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"{label} failed with exit code {proc.returncode}")
-    return json.loads(lines[-1][7:])
 
 
 def run_child(args, model: str, precision: str, system: str) -> dict:
@@ -330,8 +267,8 @@ def report(args, results: list[dict]) -> None:
             checks[f"{s['system']}_{s['precision']}_speedup_ok"] = s["speedup_vs_trl"] >= TARGETS[s["system"]]
         if s["step_over_parts"] is not None:
             checks[f"{s['model']}_{s['system']}_{s['precision']}_overhead_ok"] = s["step_over_parts"] <= TARGET_OVERHEAD
-    print(json.dumps({"benchmark": "bench_vs_trl", "prompts": args.prompts, "generations": args.gens,
-                      "new_tokens": args.new, "mini_batches": args.mini_batches, "results": summary, "checks": checks}))
+    emit({"benchmark": "bench_vs_trl", "prompts": args.prompts, "generations": args.gens,
+          "new_tokens": args.new, "mini_batches": args.mini_batches, "results": summary, "checks": checks})
 
 
 if __name__ == "__main__":

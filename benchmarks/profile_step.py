@@ -22,6 +22,8 @@ from dppo.train.config import replace
 from dppo.train.presets import get_preset
 from dppo.train.trainer import Trainer
 
+from common import emit  # benchmarks/ is on sys.path when a benchmark runs as a script
+
 
 def parse_sets(items: list[str]) -> dict[str, dict]:
     """["rollout.engine=hf", "train.steps=3"] -> {"rollout": {"engine": "hf"}, "train": {"steps": 3}}."""
@@ -75,8 +77,8 @@ def main() -> None:
     if args.trace:
         prof.export_chrome_trace(args.trace)
     top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top]
-    print(json.dumps({"benchmark": "profile_step", "preset": args.preset, "sets": sets, "phases_s": phases,
-                      "top_ops_self_cpu_s": {e.key: e.self_cpu_time_total / 1e6 / args.steps for e in top}}))
+    emit({"benchmark": "profile_step", "preset": args.preset, "sets": sets, "phases_s": phases,
+          "top_ops_self_cpu_s": {e.key: e.self_cpu_time_total / 1e6 / args.steps for e in top}})
 
 
 if __name__ == "__main__":

