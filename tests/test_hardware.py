@@ -27,6 +27,19 @@ def test_auto_dtype_follows_native_bf16_on_cpu(flags, native):
     assert ("no native bf16" in choice.reason) != native
 
 
+@pytest.mark.parametrize("env, native", [("avx2 fma", False), ("avx2 avx512_bf16", True), ("", False)])
+def test_dppo_cpu_flags_simulates_another_cpu(monkeypatch, env, native):
+    """DPPO_CPU_FLAGS replaces /proc/cpuinfo's flags, so `auto` chooses as on that CPU (the suite runs both ways)."""
+    monkeypatch.setenv("DPPO_CPU_FLAGS", env)
+    hardware.cpu_flags.cache_clear()
+    try:
+        assert hardware.cpu_flags() == frozenset(env.split())
+        assert hardware.resolve_dtype("auto", CPU)[0].value == ("bfloat16" if native else "float32")
+    finally:
+        monkeypatch.delenv("DPPO_CPU_FLAGS")
+        hardware.cpu_flags.cache_clear()
+
+
 @pytest.mark.parametrize("bf16, expected", [(True, "bfloat16"), (False, "float32")])
 def test_auto_dtype_on_cuda_follows_the_device(bf16, expected):
     assert hardware.resolve_dtype("auto", CUDA, cuda_bf16=bf16)[0].value == expected

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import platform
 from typing import NamedTuple
 
@@ -37,7 +38,11 @@ class Choice(NamedTuple):
 
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read, e.g. macOS)."""
+    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read, e.g. macOS). The environment
+    variable DPPO_CPU_FLAGS, when set, replaces them (space-separated): `DPPO_CPU_FLAGS=avx2` makes `auto` choose
+    as on an AVX2-only CPU, `DPPO_CPU_FLAGS="avx2 avx512_bf16"` as on one with native bf16."""
+    if os.environ.get("DPPO_CPU_FLAGS") is not None:
+        return frozenset(os.environ["DPPO_CPU_FLAGS"].split())
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:
