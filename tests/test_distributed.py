@@ -162,7 +162,9 @@ def dist_all_gather(t):
     return every
 
 
-def test_two_process_update_equals_one_process_update(global_batch, tmp_path):
+def test_two_process_update_equals_one_process_update(global_batch, tmp_path, monkeypatch):
+    import dppo.train.trainer as trainer_module
+    from dppo.train.batch import minibatches
     from dppo.train.trainer import Trainer
 
     out = tmp_path / "dist.pt"
@@ -178,9 +180,11 @@ def test_two_process_update_equals_one_process_update(global_batch, tmp_path):
     for case in CASES:
         ref = Trainer(_case_config(case, tmp_path / "ref"), tmp_path / "ref")
         # the global mini-batch m of a 2-process run is the union of each rank's local mini-batch m
-        local = ref._minibatches(B // W, 0)
+        c = ref.cfg
+        local = minibatches(B // W, c.rollout.group_size, c.train.mini_batches, seed=c.train.seed, step=ref.step_idx,
+                            epoch=0, device=ref.device)
         union = [torch.cat([mb + r * (B // W) for r in range(W)]) for mb in local]
-        ref._minibatches = lambda _B, _epoch, union=union: union
+        monkeypatch.setattr(trainer_module, "minibatches", lambda *_a, union=union, **_k: union)
         ref_grads, ref_stats, ref_weights = _run_update(ref, batch, adv)
         grads, stats, weights = got[case]
         assert len(grads) == len(ref_grads) == case[2]  # one optimiser step per mini-batch
