@@ -31,10 +31,6 @@ MATH_TIERS = (("_checks", "example", "fused_logprobs"), ("divergence", "advantag
 """The math layer's modules (dppo/<name>.py) in import order: each imports only modules of an earlier tier (the
 package's own __init__ may import any). A new math module is added to the tier after the last one it imports."""
 
-TO_HOIST = "to hoist after the parallel refactor (issue 31)"
-"""The reason of the entries the lead hoists once the four branches of issue 31 are merged (those files were being
-rewritten in parallel, so their imports were left where they were)."""
-
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
     # (file, module imported inside a function): why it is not at the top of the file, naming the heavy package.
     ("dppo/integrations/trl/rollout_func.py", "dppo.rollout.vllm"):
