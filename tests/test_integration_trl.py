@@ -510,6 +510,22 @@ def test_masked_fractions_when_pushed_past_delta(make_trainer):
 
 
 # --------------------------------------------------------------------------------------------------- learning
+@needs_trl
+def test_example_script_runs_on_the_tiny_model(tmp_path):
+    """examples/trl_dppo.py as the docs run it, on its default tiny model for 2 steps: a reward per step, the
+    trust-region metric logged (the SmolLM2 run that learns is benchmarks/bench_trl_learning.py)."""
+    path = Path(__file__).parents[1] / "examples" / "trl_dppo.py"
+    spec = importlib.util.spec_from_file_location("trl_dppo_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    threads = torch.get_num_threads()
+    try:  # the example sets torch's threads for the whole process: put them back after
+        rewards = example.main(["--steps", "2", "--output-dir", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards), rewards
+
+
 def exact_answer(completions, answer, **kwargs) -> list[float]:
     """1 when the completion (a plain-text prompt's completion: a string) is exactly the answer, else 0."""
     return [float(c.strip() == a) for c, a in zip(completions, answer)]
