@@ -74,3 +74,42 @@ def test_a_k_above_the_engine_cap_is_refused_at_build_time_naming_the_field():
         build_engine(dataclasses.replace(spec, top_k_logprobs=100_000))
     with pytest.raises(ValueError, match=r"^rollout\.dtype:"):
         EngineSpec(spec.model, dtype="float16")
+
+
+def _file_config(tmp_path, eval_size, **options):
+    import json
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(40)))
+    return replace(get_preset("smoke"), task={"name": "file", "options": json.dumps({"path": str(data), **options}),
+                                              "eval_size": eval_size})
+
+
+@pytest.mark.parametrize("kind", ["generated", "file", "file-eval-path"])
+@pytest.mark.parametrize("eval_size", [0, 3])
+def test_eval_size_is_honoured_for_every_task_kind(kind, eval_size, tmp_path):
+    """task.eval_size held-out questions for every kind of task: a generated task makes that many, a file task is
+    evaluated on its first eval_size held-out rows (0: none), which stay out of training either way."""
+    from dppo.train.build import build_task
+
+    if kind == "generated":
+        cfg = replace(get_preset("smoke"), task={"eval_size": eval_size})
+    elif kind == "file":
+        cfg = _file_config(tmp_path, eval_size, eval_fraction=0.25)  # 10 held-out rows
+    else:
+        held = tmp_path / "held.jsonl"
+        held.write_text("".join(f'{{"prompt": "What is {i} + {i}?", "answer": "{2 * i}"}}\n' for i in range(8)))
+        cfg = _file_config(tmp_path, eval_size, eval_path=str(held))
+    task = build_task(cfg)
+    assert len(task.eval) == eval_size
+    if kind != "generated":
+        assert len(task.train) == (30 if kind == "file" else 32)  # the held-out rows never train
+    assert not {ex.uid for ex in task.train} & {ex.uid for ex in task.eval}
+
+
+def test_eval_with_eval_size_0_is_refused_naming_the_field(tmp_path):
+    from dppo.train.evaluation import evaluate_checkpoint
+
+    with pytest.raises(ValueError, match=r"^task.eval_size: 'file' has no held-out questions"):
+        evaluate_checkpoint(_file_config(tmp_path, 0), None)

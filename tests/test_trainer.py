@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from dppo.cli import main
@@ -222,3 +223,29 @@ def test_fused_optimizer_matches_the_reference_adamw():
     for p, q, p0 in zip(a, b, start):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
         assert (p - p0).abs().mean() > 1e-2  # the parameters moved: the comparison is not between untouched tensors
+
+
+def test_a_run_directory_works_from_any_directory(tmp_path, monkeypatch, capsys):
+    """A file-task run with a plug-in reward file, started with relative paths: config.yaml holds them absolute, so
+    `dppo eval --run-dir ABSOLUTE` works from another directory; a moved data file is an error naming it."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    (work / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                                             for a in range(6) for b in range(6)))
+    (work / "my_reward.py").write_text(REWARD_SRC)
+    monkeypatch.chdir(work)
+    options = json.dumps({"path": "data.jsonl", "chat": False, "eval_fraction": 0.25})
+    assert main(["train", "--preset", "smoke", "--run-dir", "run", "--task.name", "file", "--task.options", options,
+                 "--task.reward", "my_reward.py:digit_fraction", "--task.eval-size", "4", "--train.steps", "1",
+                 "--log.no-progress", "--log.no-tensorboard"]) == 0
+    saved = yaml.safe_load((work / "run" / "config.yaml").read_text())
+    assert json.loads(saved["task"]["options"])["path"] == str(work / "data.jsonl")
+    assert saved["task"]["reward"] == f"{work / 'my_reward.py'}:digit_fraction"
+    capsys.readouterr()
+    monkeypatch.chdir(elsewhere)
+    assert main(["eval", "--run-dir", str(work / "run")]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["source"].endswith("step_000001") and out["n"] == 4  # task.eval_size 4 of the 9 held-out rows
+    (work / "data.jsonl").rename(work / "moved.jsonl")
+    assert main(["eval", "--run-dir", str(work / "run")]) != 0
+    assert str(work / "data.jsonl") in capsys.readouterr().err

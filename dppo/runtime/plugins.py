@@ -24,12 +24,27 @@ def is_import_path(spec: str) -> bool:
     return bool(module_part and attr)
 
 
+def is_file_spec(spec: str) -> bool:
+    """True for "path/to/file.py:attr" (a file to import), False for "package.module:attr" or a registry name."""
+    module_part, _, attr = spec.rpartition(":")
+    return bool(module_part and attr) and (module_part.endswith(".py") or "/" in module_part or "\\" in module_part)
+
+
+def absolute_spec(spec: str, base: Path) -> str:
+    """`spec` with its file made absolute against `base` when it names a file ("path/to/file.py:attr"); any
+    other spec unchanged. Pure: the file need not exist (loading it says so, naming the absolute path)."""
+    if not is_file_spec(spec):
+        return spec
+    module_part, _, attr = spec.rpartition(":")
+    return f"{(base / Path(module_part).expanduser()).resolve()}:{attr}"
+
+
 def load_object(spec: str, *, kind: str) -> tuple[Any, str | None]:
     """The object named by "module.path:attr" or "path/to/file.py:attr" (attr may be dotted)."""
     module_part, _, attr = spec.rpartition(":")
     if not module_part or not attr:
         raise ValueError(f"{kind} {spec!r}: expected 'package.module:name' or 'path/to/file.py:name'")
-    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
+    if is_file_spec(spec):
         module, file_path = _load_file_module(module_part, spec, kind)
     else:
         file_path = None

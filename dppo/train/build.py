@@ -7,6 +7,9 @@ arguments. The weights an engine loads (`engine_state`) come from `dppo.train.we
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import importlib.util
 import inspect
 from pathlib import Path
@@ -25,7 +28,8 @@ from dppo.rollout.spec import EngineSpec
 from dppo.rollout.spec import build_engine as from_spec
 from dppo.runtime import hardware, models
 from dppo.runtime.hardware import describe
-from dppo.runtime.models import ModelSpec
+from dppo.runtime.models import BUILTIN_MODELS, ModelSpec
+from dppo.runtime.plugins import absolute_spec
 from dppo.tasks import TASKS, make_task
 from dppo.train.config import Config, ConfigError, replace
 from dppo.train.distributed import decoder_layers
@@ -51,6 +55,8 @@ def build_task(cfg: Config):
         raise ValueError(f"task: {exc}") from exc
     if not task.train:
         raise ValueError(f"task: {t.name!r} produced no training examples")
+    if len(task.eval) > t.eval_size:  # a task that holds out its own rows (a file, a plug-in): the first eval_size
+        task = dataclasses.replace(task, eval=task.eval[:t.eval_size])  # 0 = no evaluation; the rest stay held out
     return task
 
 
@@ -148,13 +154,39 @@ def resolve_rollout(cfg: Config) -> tuple:
     return hardware.resolve_engine(cfg.rollout.engine, dtype.value, device), dtype, warning
 
 
+FILE_TASK_PATHS = ("path", "eval_path")
+"""The `file` task's options that name a file it reads."""
+
+
+def absolute_paths(cfg: Config, base: Path) -> Config:
+    """`cfg` with every file the run reads made absolute against `base` (the directory the run starts in): a local
+    model folder, the `file` task's data files, and plug-in files (`path/to/file.py:name` as task, reward or
+    environment). A run directory's config.yaml then works from any directory (`--resume`, `dppo eval --run-dir`,
+    `dppo export`); a moved file is an error naming its absolute path. Registry names, `package.module:name` specs
+    and paths already absolute are left as they are (idempotent)."""
+    t = cfg.task
+    task: dict = {"name": absolute_spec(t.name, base), "reward": absolute_spec(t.reward, base)}
+    if t.name == "file":
+        options = t.options_dict
+        given = {k: options[k] for k in FILE_TASK_PATHS if isinstance(options.get(k), str)}
+        if any(not Path(v).expanduser().is_absolute() for v in given.values()):
+            task["options"] = json.dumps({**options, **{k: str((base / Path(v).expanduser()).resolve())
+                                                         for k, v in given.items()}})
+    model = cfg.model.name
+    if model not in BUILTIN_MODELS and not Path(model).expanduser().is_absolute() and (base / model).exists():
+        model = str((base / model).resolve())
+    return replace(cfg, model={"name": model}, task=task, env={"name": absolute_spec(cfg.env.name, base)})
+
+
 def resolve_config(cfg: Config) -> Config:
     """`cfg` with every value the run will use written out: rollout.engine and rollout.dtype as `auto` chose them
     on this machine, rollout.top_k_logprobs as K (20 or 0 when unset), and the loss as its resolved `LossSpec`
     (`LossConfig.spec`: the chosen trust region's parameters, the sequence mask's δ and DRPO's δ at their defaults
     when unset; the parameters of the other trust regions stay as given). A run directory's config.yaml holds this,
-    and a resumed run reads exactly it (idempotent: resolving it again changes nothing)."""
+    and a resumed run reads exactly it (idempotent: resolving it again changes nothing). Every file the run reads is
+    an absolute path (`absolute_paths`, against the current directory)."""
     engine, dtype, _ = resolve_rollout(cfg)
+    cfg = absolute_paths(cfg, Path.cwd())
     return replace(cfg, rollout={"engine": engine.value, "dtype": dtype.value, "top_k_logprobs": cfg.top_k_logprobs},
                    loss=cfg.loss.spec().to_dict())
 

@@ -193,7 +193,10 @@ class TaskConfig:
     size: int = 2000
     """Number of generated training examples (generated tasks)."""
     eval_size: int = 64
-    """Held-out evaluation questions, disjoint from the training questions."""
+    """Held-out evaluation questions, disjoint from the training questions: a generated task makes this many; a task
+    that holds out its own rows (`file`: eval_path, eval_fraction or a test split; a plug-in) is evaluated on its
+    first eval_size. 0 = no evaluation (a file's held-out rows still stay out of training: eval_fraction 0 trains on
+    them)."""
     seed: int = 0
     """Seed of the task generator and of the train/eval split."""
     reward: str = ""

@@ -60,6 +60,9 @@ def evaluate(source, examples, params: SamplingParams, *, pad_id: int) -> dict[s
 def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:
     """Evaluate the base model of `cfg`, or the newest checkpoint of `run_dir`, on the task's held-out split."""
     task = build_task(cfg)
+    if not task.eval:
+        raise ValueError(f"task.eval_size: {cfg.task.name!r} has no held-out questions to evaluate (eval_size "
+                         f"{cfg.task.eval_size}); give eval_size > 0 (a file task: eval_path or eval_fraction > 0)")
     model, tokenizer, path = build_model(cfg, Path(cfg.log.run_dir or "."))
     origin = "base model"
     if run_dir is not None:
