@@ -51,14 +51,20 @@ def _no_leftovers(tag: str) -> bool:
 
 
 def test_the_strong_layer_is_preferred_and_every_layer_describes_itself_in_one_line():
-    assert LAYERS[-1] == "rlimits" and detect_layer() == LAYERS[0]
+    assert LAYERS[-1] == "rlimits"
+    if NS_LAYERS:
+        assert detect_layer() == LAYERS[0] == NS_LAYERS[0]
+    else:  # nothing isolates here: the default refuses instead of degrading
+        with pytest.raises(ValueError, match="no isolating sandbox layer"):
+            detect_layer()
     assert list(sandbox.LAYERS) == ["bwrap", "unshare", "rlimits"]
     for name in LAYERS:
         line = describe_layer(name)
         assert line.startswith(f"sandbox: {name} ") and "\n" not in line
         assert ("WEAKER" in line) == (name != "bwrap")
     assert "NETWORK AND FILESYSTEM ARE OPEN" in describe_layer("rlimits")
-    assert describe_layer() == describe_layer(detect_layer())
+    if NS_LAYERS:
+        assert describe_layer() == describe_layer("auto") == describe_layer(detect_layer())
 
 
 def test_layer_names_are_checked():
@@ -79,9 +85,52 @@ def test_fallback_order_when_bwrap_is_unavailable(monkeypatch):
     assert "bwrap is not installed" in describe_layer() and "WEAKER THAN bwrap" in describe_layer()
     res = run_python("print('fallback')")
     assert (res.layer, res.stdout, res.exit_code) == (expected, "fallback\n", 0)
+
+
+
+def test_with_no_isolating_layer_the_default_refuses_and_rlimits_must_be_chosen(monkeypatch):
+    """Fails closed: when neither bwrap nor unshare can start, the default layer is an error naming both reasons
+    and the fix (the python environment refuses to build, so a run stops before any model loads); "rlimits" runs
+    only when chosen by name, and says what it leaves open."""
+    from dppo.envs import make_environment
+
     monkeypatch.setattr(sandbox, "_why_unavailable", lambda n: None if n == "rlimits" else f"{n} is not installed")
-    assert detect_layer() == "rlimits" and run_python("print(1)").layer == "rlimits"
-    assert "NETWORK AND FILESYSTEM ARE OPEN" in describe_layer()
+    refusal = r"no isolating sandbox layer can start here \(bwrap: bwrap is not installed; unshare: .*Fix: install"
+    for call in (detect_layer, describe_layer, lambda: run_python("print(1)"), lambda: run_python("1", layer="auto")):
+        with pytest.raises(ValueError, match=refusal):
+            call()
+    with pytest.raises(ValueError, match=r"environment 'python': sandbox: no isolating sandbox layer"):
+        make_environment("python")
+    assert run_python("print(1)", layer="rlimits").layer == "rlimits"
+    assert "NETWORK AND FILESYSTEM ARE OPEN" in describe_layer("rlimits")
+    assert "NETWORK AND FILESYSTEM ARE OPEN" in make_environment("python", sandbox="rlimits")().start_line()
+
+
+def test_a_0700_tmpdir_runs_isolated_or_refuses_never_degrades(monkeypatch, tmp_path):
+    """TMPDIR in a directory the sandbox user cannot enter (mode 0700, as `mktemp -d` makes): the temp dirs go
+    under a root it can traverse, every isolating layer still starts, and nothing runs with less isolation than
+    chosen. (Before: both namespace layers failed their probe there and the default fell back to rlimits.)"""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(sandbox.tempfile, "tempdir", None)  # tempfile caches its choice: make it read TMPDIR again
+    sandbox._why_unavailable.cache_clear()
+    try:
+        assert sandbox.tempfile.gettempdir() == str(private)
+        for name in NS_LAYERS:
+            assert sandbox._why_unavailable(name) is None, sandbox._why_unavailable(name)
+            res = run_python("print('isolated')", layer=name)
+            assert (res.layer, res.stdout, res.exit_code) == (name, "isolated\n", 0), res
+        try:
+            res = run_python("print('default')")
+        except ValueError as err:  # a machine with no isolating layer: refused, never rlimits
+            assert "no isolating sandbox layer" in str(err)
+        else:
+            assert res.layer in NS_LAYERS and res.stdout == "default\n", res
+        if os.geteuid() == 0:  # the sandbox runs as uid 65534, who cannot enter the 0700 directory
+            assert sandbox.work_root() != str(private)
+    finally:
+        sandbox._why_unavailable.cache_clear()
 
 
 @pytest.mark.parametrize("field, value", [("wall_s", 0), ("cpu_s", -1.0), ("memory_mb", 1.5), ("memory_mb", 8),

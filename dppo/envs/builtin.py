@@ -18,7 +18,7 @@ import json
 import re
 
 from dppo.envs.base import EnvStep, Environment, ToolEnv
-from dppo.envs.sandbox import Limits, describe_layer, run_python
+from dppo.envs.sandbox import Limits, describe_layer, detect_layer, run_python
 from dppo.envs.tools import ToolCall, calculate, call_tool
 from dppo.example import Example, Message
 from dppo.rewards.builtin import last_number_match
@@ -82,9 +82,16 @@ class PythonEnv(CalculatorEnv):
 
     tool_name = "python"
 
-    def __init__(self, *, wall_s: float = 5.0, memory_mb: int = 256, **options) -> None:
+    def __init__(self, *, wall_s: float = 5.0, memory_mb: int = 256, sandbox: str = "auto", **options) -> None:
+        """sandbox: the isolation layer ("auto" = the strongest isolating one, refused when none can start;
+        "bwrap", "unshare", or "rlimits" for limits only, network and filesystem open)."""
         ToolEnv.__init__(self, **{"tool_timeout_s": wall_s + 5.0, **options})
         limits = Limits(wall_s=wall_s, cpu_s=wall_s, memory_mb=memory_mb)
+        try:  # the layer must start now, before any model loads: the sandbox fails closed
+            self._sandbox_line = describe_layer(sandbox)
+        except ValueError as err:
+            raise ValueError(f"sandbox: {err}") from None
+        layer = detect_layer() if sandbox == "auto" else sandbox  # the layer named at start is the one used
 
         def python(code: str) -> str:
             """Run a Python program in a sandbox and return what it prints.
@@ -92,7 +99,7 @@ class PythonEnv(CalculatorEnv):
             Args:
                 code: The Python source code to run; use print() to show results.
             """
-            result = run_python(code, limits=limits)
+            result = run_python(code, limits=limits, layer=layer)
             if result.timed_out:
                 raise TimeoutError(f"the program ran longer than {limits.wall_s:g}s and was stopped")
             out = result.stdout if result.exit_code == 0 else (result.stdout + result.stderr)
@@ -100,10 +107,9 @@ class PythonEnv(CalculatorEnv):
 
         self.tools = (python,)
 
-    @staticmethod
-    def start_line() -> str:
+    def start_line(self) -> str:
         """What the trainer prints at start: the sandbox layer in use and, for a weak one, what it does not isolate."""
-        return f"[dppo] python tool {describe_layer()}"
+        return f"[dppo] python tool {self._sandbox_line}"
 
     def _call(self, example: Example) -> dict:
         return {"code": f"print({expression_of(example)})"}

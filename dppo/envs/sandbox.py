@@ -1,11 +1,14 @@
 """A sandbox for model-written Python code: the isolation behind a `python` tool in multi-turn RL (docs/sandbox.md).
 
 `run_python(code)` runs `code` with a stdlib-only system interpreter (`python3 -I -S`) in a fresh temp dir under the
-strongest layer this machine has: "bwrap" (bubblewrap: new user, pid, net, ipc, uts and mount namespaces over a
-read-only /usr), else "unshare" (net, pid and mount namespaces; directories outside /usr, /etc, /dev covered by empty
-tmpfs), else "rlimits" (limits only: network and filesystem open). All set CPU, memory, process and file-size rlimits
-as an unprivileged user (root drops to uid 65534: RLIMIT_NPROC does not bind uid 0); the wall-time limit kills the
-whole process group. Whatever the code does, the caller gets a `SandboxResult`, never an exception.
+strongest isolating layer this machine has: "bwrap" (bubblewrap: new user, pid, net, ipc, uts and mount namespaces
+over a read-only /usr), else "unshare" (net, pid and mount namespaces; directories outside /usr, /etc, /dev covered by
+empty tmpfs). It fails closed: when neither can start, the default is an error naming each layer's reason and the
+fix, never a silent fall-back; "rlimits" (limits only: network and filesystem open) runs only when chosen by name.
+All set CPU, memory, process and file-size rlimits as an unprivileged user (root drops to uid 65534: RLIMIT_NPROC
+does not bind uid 0); the wall-time limit kills the whole process group. The temp dirs live under a root that user
+can traverse whatever TMPDIR is (`work_root`). Whatever the code does, the caller gets a `SandboxResult`, never an
+exception.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -143,18 +147,29 @@ def _why_unavailable(name: str) -> str | None:
     return LAYERS[name].check()
 
 
+ISOLATING = ("bwrap", "unshare")
+"""The layers that isolate network and filesystem: the default picks one of them or refuses (fails closed)."""
+
+
 def available_layers() -> list[str]:
     """The usable layers, strongest first ("rlimits" always is)."""
     return [name for name in LAYERS if _why_unavailable(name) is None]
 
 
 def detect_layer() -> str:
-    """The strongest usable layer."""
-    return available_layers()[0]
+    """The strongest usable isolating layer; ValueError naming each one's reason and the fix when none works (the
+    sandbox never degrades to "rlimits" unless that layer is chosen by name)."""
+    for name in ISOLATING:
+        if _why_unavailable(name) is None:
+            return name
+    why = "; ".join(f"{name}: {_why_unavailable(name)}" for name in ISOLATING)
+    raise ValueError(f"no isolating sandbox layer can start here ({why}). Fix: install bubblewrap (apt install "
+                     f"bubblewrap) or allow unprivileged user namespaces; to run with CPU/memory/time limits only "
+                     f"(NETWORK AND FILESYSTEM OPEN) choose the layer 'rlimits' explicitly")
 
 
 def _resolve(layer: str | None) -> str:
-    if layer is None:
+    if layer is None or layer == "auto":
         return detect_layer()
     if layer not in LAYERS:
         raise ValueError(f"unknown sandbox layer {layer!r}; valid: {', '.join(LAYERS)}")
@@ -165,7 +180,8 @@ def _resolve(layer: str | None) -> str:
 
 
 def describe_layer(layer: str | None = None) -> str:
-    """The one-line start-up message: the layer in use, what it isolates and, for the weak ones, what not."""
+    """The one-line start-up message: the layer in use, what it isolates and, for the weak ones, what not
+    (ValueError, as `run_python`, when the layer cannot start: the run stops before training)."""
     name = _resolve(layer)
     line = f"sandbox: {name} isolates {LAYERS[name].isolates}"
     if name != "bwrap":
@@ -233,15 +249,45 @@ def _text(data: bytearray, dropped: int, cap: int) -> str:
 
 
 def run_python(code: str, *, limits: Limits = Limits(), layer: str | None = None, stdin: str = "") -> SandboxResult:
-    """Run `code` in a fresh temp dir under `layer` (default: the strongest) within `limits`; never raises for
-    anything the code does (an unknown or unusable `layer` is a ValueError)."""
+    """Run `code` in a fresh temp dir under `layer` (None or "auto": the strongest isolating one) within `limits`;
+    never raises for anything the code does (an unknown or unusable `layer`, or no isolating layer for the default,
+    is a ValueError)."""
     return _execute(_resolve(layer), code, limits, stdin)
+
+
+def _traversable(path: Path, uid: int) -> bool:
+    """True when `uid` can enter `path` and every directory above it (as root: the 'other' execute bit, since the
+    sandbox runs as uid 65534; else the caller's own access)."""
+    if uid != NOBODY:
+        return os.access(path, os.W_OK | os.X_OK)
+    for p in (path, *path.parents):
+        try:
+            mode = p.stat().st_mode
+        except OSError:
+            return False
+        if not mode & stat.S_IXOTH:
+            return False
+    return os.access(path, os.W_OK | os.X_OK)
+
+
+def work_root() -> str:
+    """Where the sandbox's temp dirs go: the first of TMPDIR (tempfile's choice), /tmp, /var/tmp, /dev/shm that the
+    sandbox user can reach (a 0700 TMPDIR, as `mktemp -d` makes, is one it cannot). OSError naming the candidates
+    when none can be used."""
+    uid = NOBODY if os.geteuid() == 0 else os.getuid()
+    candidates = dict.fromkeys([tempfile.gettempdir(), "/tmp", "/var/tmp", "/dev/shm"])
+    for cand in candidates:
+        path = Path(cand)
+        if path.is_dir() and _traversable(path.resolve(), uid):
+            return str(path)
+    raise OSError(f"no temp directory the sandbox user (uid {uid}) can enter: tried {', '.join(candidates)}; "
+                  f"point TMPDIR at a directory every user can traverse (mode 0711 or 1777 on it and its parents)")
 
 
 def _execute(name: str, code: str, limits: Limits, stdin: str) -> SandboxResult:
     work = None
     try:
-        work = tempfile.mkdtemp(prefix="dppo-sandbox-")
+        work = tempfile.mkdtemp(prefix="dppo-sandbox-", dir=work_root())
         Path(work, "main.py").write_text(code, encoding="utf-8", errors="surrogateescape")
         if os.geteuid() == 0:
             for path in (work, os.path.join(work, "main.py")):
