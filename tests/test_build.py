@@ -113,3 +113,16 @@ def test_eval_with_eval_size_0_is_refused_naming_the_field(tmp_path):
 
     with pytest.raises(ValueError, match=r"^task.eval_size: 'file' has no held-out questions"):
         evaluate_checkpoint(_file_config(tmp_path, 0), None)
+
+
+def test_with_an_environment_the_task_reward_is_not_used_and_the_run_says_so():
+    """The environment scores each episode (the sum of its turns' rewards): a task.reward beside it (the smoke
+    preset's digit_fraction) is recorded as '' in the resolved config, and the start-up notes name it."""
+    from dppo.train.build import resolution_notes
+
+    cfg = replace(get_preset("smoke"), env={"name": "feedback"})
+    assert cfg.task.reward == "digit_fraction" and resolve_config(cfg).task.reward == ""
+    assert resolution_notes(cfg) == ["[dppo] task.reward 'digit_fraction' is not used: environment 'feedback' scores "
+                                     "each episode (config.yaml records reward '')"]
+    single = get_preset("smoke")
+    assert resolve_config(single).task.reward == "digit_fraction" and resolution_notes(single) == []

@@ -184,11 +184,23 @@ def resolve_config(cfg: Config) -> Config:
     (`LossConfig.spec`: the chosen trust region's parameters, the sequence mask's δ and DRPO's δ at their defaults
     when unset; the parameters of the other trust regions stay as given). A run directory's config.yaml holds this,
     and a resumed run reads exactly it (idempotent: resolving it again changes nothing). Every file the run reads is
-    an absolute path (`absolute_paths`, against the current directory)."""
+    an absolute path (`absolute_paths`, against the current directory); with an environment, task.reward is ''
+    (the environment scores each episode, the sum of its turns' rewards: a reward given is not used, and the run
+    says so at start, `resolution_notes`)."""
     engine, dtype, _ = resolve_rollout(cfg)
     cfg = absolute_paths(cfg, Path.cwd())
+    if cfg.env.name:  # the environment scores each episode: the task's reward is not used (`resolution_notes`)
+        cfg = replace(cfg, task={"reward": ""})
     return replace(cfg, rollout={"engine": engine.value, "dtype": dtype.value, "top_k_logprobs": cfg.top_k_logprobs},
                    loss=cfg.loss.spec().to_dict())
+
+
+def resolution_notes(requested: Config) -> list[str]:
+    """What resolving `requested` set aside that its user should hear at start (the trainer prints each line)."""
+    if requested.env.name and requested.task.reward:
+        return [f"[dppo] task.reward {requested.task.reward!r} is not used: environment {requested.env.name!r} "
+                f"scores each episode (config.yaml records reward '')"]
+    return []
 
 
 def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0):

@@ -36,7 +36,7 @@ from dppo.runtime.faults import fault_point
 from dppo.train.batch import RolloutBatch, collate, loss_inputs, minibatches, stamp_staleness
 from dppo.train.batch_stats import mini_batch_statistics
 from dppo.train.build import (announce_rollout, build_episodes, build_model, build_scorer, build_source, build_task,
-                              check_environment, check_rollout, resolve_config, resolve_device)
+                              check_environment, check_rollout, resolution_notes, resolve_config, resolve_device)
 from dppo.train.config import Config
 from dppo.train.distributed import init_from_env
 from dppo.train.evaluation import evaluate
@@ -92,6 +92,8 @@ class Trainer:
         self.logger = RunLogger.for_run(self.run_dir, cfg, start_step=self.step_idx, active=self.dist.is_main)
         announce = lambda line: print(line, flush=True) if self.dist.is_main else None  # noqa: E731
         announce_rollout(requested, announce)  # what `auto` chose and why (the resolved config only says what)
+        for line in resolution_notes(requested):
+            announce(line)
         if env_line:
             announce(env_line)
         # the engine (or the rollout workers) holding the current weights as version step_idx; with
