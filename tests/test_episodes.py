@@ -9,6 +9,7 @@ The test environments live in tests/data/scripted_env.py and are loaded by file 
 
 from __future__ import annotations
 
+import math
 import pickle
 import time
 from pathlib import Path
@@ -473,3 +474,32 @@ def test_per_turn_metrics_of_turns_no_episode_reached_are_left_out(tmp_path):
     assert {f"mismatch/binary_tv_turn_{j}" for j in range(4)} & set(m) == {"mismatch/binary_tv_turn_0",
                                                                           "mismatch/binary_tv_turn_1"}
     assert "trust_region/masked_frac_turn_2" not in m and not any(k.startswith("count/") for k in m)
+
+
+@pytest.mark.parametrize("reward, verdict, succeeded", [(0.25, True, True), (2.0, False, False), (0.25, None, False),
+                                                        (1.0, None, True)])
+def test_success_is_the_environments_verdict_else_reward_1_in_training_and_evaluation_alike(
+        model, tokenizer, tmp_path, reward, verdict, succeeded):
+    """pass@1 and reward/accuracy are one quantity (`episode_success`): the environment's own verdict
+    (EnvStep.info["success"]) where it gives one, else reward >= 1; the mean reward is reported beside it. (Before,
+    an episode earning 0.25 on a right answer was a failure and an environment could not say otherwise.)"""
+    import json as _json
+
+    from conftest import smoke_config
+    from dppo.rollout.episodes import episode_success
+    from dppo.train.trainer import Trainer
+
+    options = _json.dumps({"reward": reward, "success": verdict})
+    rollouts = _run(model, tokenizer, f"{ENVS}:Verdict", options=_json.loads(options), max_turns=1, max_tokens=80)
+    if verdict is None:
+        assert math.isnan(rollouts[0].episode.success)
+    else:
+        assert rollouts[0].episode.success == float(verdict)
+    assert episode_success(rollouts, torch.tensor([reward])).tolist() == [succeeded]
+    cfg = smoke_config(tmp_path, env={"name": f"{ENVS}:Verdict", "options": options, "max_turns": 1, "max_tokens": 80},
+                       train={"threads": 1, "steps": 1, "mini_batches": 1})
+    with Trainer(cfg, tmp_path) as trainer:
+        m = trainer.step()
+        ev = trainer.evaluate()
+    assert (m["reward/accuracy"], m["reward/mean"]) == (float(succeeded), reward)
+    assert (ev["pass@1"], ev["reward_mean"]) == (float(succeeded), reward)

@@ -9,6 +9,8 @@ trust-region anchor and the top-K cells for the Top-K divergences (Eqs. 15-16).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -94,6 +96,9 @@ class Episode:
     """1 when the episode ran out of turns or tokens."""
     env_tokens: float = 0.0
     """Response tokens the environment wrote (loss mask 0)."""
+    success: float = math.nan
+    """1.0 / 0.0 when the environment said whether the episode succeeded (`EnvStep.info["success"]`, the last
+    value given), else NaN: then the reward decides (`dppo.rollout.episodes.episode_success`: reward >= 1)."""
 
 
 @dataclass

@@ -55,6 +55,7 @@ chat template):
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -220,6 +221,18 @@ def episode_rewards(rollouts: Sequence[Rollout]) -> tuple[Tensor, dict[str, int]
                  "timeouts": int(sum(r.episode.env_timeouts for r in rollouts))}
 
 
+SUCCESS_REWARD = 1.0
+"""An episode without the environment's own verdict succeeded when its reward reached this (to 1e-6)."""
+
+
+def episode_success(rollouts: Sequence[Rollout], rewards: Tensor) -> Tensor:
+    """[B] bool: whether each scored episode succeeded — the environment's verdict where it gave one
+    (`Episode.success`, from `EnvStep.info["success"]`), else reward >= SUCCESS_REWARD. pass@1 and
+    `reward/accuracy` are its mean, in evaluation and in training alike; the mean reward is reported beside it."""
+    verdict = torch.tensor([r.episode.success for r in rollouts], dtype=torch.float32)
+    return torch.where(torch.isnan(verdict), rewards >= SUCCESS_REWARD - 1e-6, verdict > 0.5)
+
+
 class ChatDelta:
     """Token ids of appended messages, without re-rendering the transcript (see the module docstring)."""
 
@@ -280,6 +293,7 @@ class _Episode:
                       "env_errors": 0.0, "env_timeouts": 0.0, "truncated": 0.0, "turns_truncated": 0.0}
         self.stopped = True  # whether the last turn ended with the engine's stop token
         self.error: str | None = None
+        self.success = math.nan  # the environment's own verdict, if it gives one (EnvStep.info["success"])
 
     def context(self) -> list[int]:
         return self.prompt_ids + self.ids
@@ -319,7 +333,8 @@ class _Episode:
                       weight_version=int(versions[mask].min()), token_versions=versions, loss_mask=mask,
                       turn_index=torch.tensor(self.turn, dtype=torch.long), reward=self.reward,
                       episode=Episode(completion=text, messages=self.messages, error=self.error,
-                                      turns=float(self.turns), env_tokens=float((~mask).sum()), **self.stats))
+                                      turns=float(self.turns), env_tokens=float((~mask).sum()),
+                                      success=self.success, **self.stats))
         widths = [c[0].shape[-1] for c in self.cells if isinstance(c, tuple)]
         if widths:  # µ's top-K cells of generated tokens; invalid (id 0, log-prob 0) on environment tokens
             S = widths[0]
@@ -426,6 +441,8 @@ class EpisodeCollector:
             for key, v in step.info.items():
                 if key in ep.stats:
                     ep.stats[key] += float(v)
+            if "success" in step.info:  # a verdict, not a counter: the last one given stands
+                ep.success = float(bool(step.info["success"]))
             if step.done:
                 ep.end("eos")
                 continue
@@ -459,4 +476,4 @@ def transcript(messages: list[dict]) -> str:
 
 
 __all__ = ["COUNTERS", "ChatDelta", "EpisodeCollector", "EpisodeSpec", "Episodes", "SingleTurnEnv", "engine_prompts",
-           "episode_rewards", "transcript", "turn_seed"]
+           "episode_rewards", "episode_success", "transcript", "turn_seed", "SUCCESS_REWARD"]

@@ -10,7 +10,7 @@ from pathlib import Path
 from torch import Tensor
 
 from dppo.rollout.base import SamplingParams
-from dppo.rollout.episodes import engine_prompts, episode_rewards  # (engine_prompts: re-exported for the studies)
+from dppo.rollout.episodes import engine_prompts, episode_rewards, episode_success  # (engine_prompts: re-exported for the studies)
 from dppo.rollout.source import EngineSource
 from dppo.rollout.spec import build_engine as engine_from_spec
 from dppo.train.batch import RolloutBatch, collate
@@ -43,16 +43,18 @@ def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
 
 def evaluate(source, examples, params: SamplingParams, *, pad_id: int) -> dict[str, float]:
     """params.n sampled episodes per example from `source` (a `RolloutSource`: they come back scored): pass@1
-    (reward >= 1) and mean reward over all of them, and for multi-turn episodes the mean turns and tool calls."""
+    (the share that succeeded: `episode_success`, the environment's verdict or reward >= 1) and the mean reward over
+    all of them, and for multi-turn episodes the mean turns and tool calls."""
     if not examples:
         raise ValueError("examples: the evaluation set is empty")
     rollouts = source.generate(list(examples), params)
     rewards, _ = episode_rewards(rollouts)
+    success = episode_success(rollouts, rewards)
     batch = collate(rollouts, pad_id=pad_id)
     stats = source.episodes.metrics(rollouts)
     extra = {k: stats[f"episode/{k}_mean"] for k in ("turns", "tool_calls", "tool_errors")
              if f"episode/{k}_mean" in stats}  # (multi-turn environments report them)
-    return {"pass@1": float((rewards >= 1.0 - 1e-6).float().mean()), "reward_mean": float(rewards.mean()),
+    return {"pass@1": float(success.float().mean()), "reward_mean": float(rewards.mean()),
             "n": len(examples) * params.n, "temperature": params.temperature,
             "response_length": float(batch.response_lengths.float().mean()), **extra}
 

@@ -99,14 +99,15 @@ class StepAccumulator:
 
 
 
-def step_metrics(batch: RolloutBatch, rewards: Tensor, reward_stats: dict, adv_stats: dict, update: dict, *,
-                 lr: float, skipped_steps: int, max_staleness: int) -> dict[str, Any]:
-    """The step's metrics before the one host sync (`perf/*` timings are added by the trainer)."""
+def step_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, reward_stats: dict, adv_stats: dict,
+                 update: dict, *, lr: float, skipped_steps: int, max_staleness: int) -> dict[str, Any]:
+    """The step's metrics before the one host sync (`perf/*` timings are added by the trainer). `success`: [B] bool,
+    each episode's `dppo.rollout.episodes.episode_success` (reward/accuracy is its mean, as evaluation's pass@1)."""
     lengths = batch.response_lengths.float()
     return {
         "reward/mean": rewards.mean(),
         "reward/std": rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
-        "reward/accuracy": (rewards >= 1.0 - 1e-6).float().mean(),
+        "reward/accuracy": success.float().mean(),
         "reward/failures": float(reward_stats.get("failures", 0)),
         "reward/timeouts": float(reward_stats.get("timeouts", 0)),
         "response/length_mean": lengths.mean(),

@@ -28,7 +28,7 @@ from dppo.divergence import topk_kl, topk_tv
 from dppo.losses import LOSSES, aggregation_denominator
 from dppo.rewards.runner import NonFiniteRewardError
 from dppo.rollout.base import SamplingParams
-from dppo.rollout.episodes import episode_rewards
+from dppo.rollout.episodes import episode_rewards, episode_success
 from dppo.rollout.source import Draw
 from dppo.run_files.checkpoint import save_training_checkpoint
 from dppo.run_files.logger import RunLogger
@@ -158,6 +158,7 @@ class Trainer:
                 batch = stamp_staleness(cpu_batch.to(self.device), self.step_idx)  # trained by version step_idx
             with timer.time("reward"):
                 rewards, reward_stats = episode_rewards(rollouts)
+                success = episode_success(rollouts, rewards).to(self.device)  # reward/accuracy, as pass@1
                 rewards = rewards.to(self.device)
                 completions = [r.episode.completion for r in rollouts]
         except Exception as exc:  # noqa: BLE001 - agreed below: raised on every rank (one process: re-raised)
@@ -178,7 +179,7 @@ class Trainer:
         with timer.time("metrics"):
             self.logger.log_samples(self.step_idx, samples(completions, rewards, batch, examples,
                                                            self.cfg.log.samples_per_step))
-            values = step_metrics(batch, rewards, reward_stats, adv_stats, update_stats,
+            values = step_metrics(batch, rewards, success, reward_stats, adv_stats, update_stats,
                                   lr=self.scheduler.get_last_lr()[0], skipped_steps=self.optim.skipped_steps,
                                   max_staleness=self.source.max_staleness)
             metrics = prune_unreached(self.dist.reduce_metrics(values), self.source.max_staleness)  # the one sync

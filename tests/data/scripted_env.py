@@ -38,3 +38,13 @@ class NotAMessage(Scripted):
 class BadReset(Scripted):
     def reset(self, example):
         return "not a list of messages"
+
+
+class Verdict(Environment):
+    """One turn, reward `reward`, and the environment's own verdict `success` in info (None: it gives none)."""
+
+    def __init__(self, reward: float = 0.25, success: bool | None = True) -> None:
+        self.reward, self.success = reward, success
+
+    def step(self, reply: str) -> EnvStep:
+        return EnvStep(reward=self.reward, done=True, info={} if self.success is None else {"success": self.success})
