@@ -9,6 +9,7 @@ The test environments live in tests/data/scripted_env.py and are loaded by file 
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import time
@@ -503,3 +504,26 @@ def test_success_is_the_environments_verdict_else_reward_1_in_training_and_evalu
         ev = trainer.evaluate()
     assert (m["reward/accuracy"], m["reward/mean"]) == (float(succeeded), reward)
     assert (ev["pass@1"], ev["reward_mean"]) == (float(succeeded), reward)
+
+
+def test_topk_mismatch_is_reported_per_turn_and_samples_count_mus_cells_per_turn(tmp_path):
+    """With µ's top-K recorded (a Top-K trust region), each turn j has its own `mismatch/topk_tv_turn_<j>` beside
+    the binary one (the step's `mismatch/topk_tv_mean` lies between them: a token-weighted mean), and each episode in
+    samples.jsonl says per turn how many generated tokens carry µ's cells — all of them, on every turn."""
+    from conftest import smoke_config
+    from dppo.train.trainer import Trainer
+
+    cfg = smoke_config(tmp_path, rollout={"dtype": "bfloat16", "max_new_tokens": 4}, loss={"trust_region": "dppo_topk_tv"},
+                       env={"name": SCRIPTED, "options": '{"turns": 3}', "max_turns": 3, "max_tokens": 120},
+                       train={"threads": 1, "steps": 1, "mini_batches": 1}, log={"samples_per_step": 4})
+    with Trainer(cfg, tmp_path) as trainer:
+        m = trainer.step()
+    per_turn = [m[f"mismatch/topk_tv_turn_{j}"] for j in range(3)]
+    assert all(v > 0 for v in per_turn) and all(f"mismatch/binary_tv_turn_{j}" in m for j in range(3))
+    assert min(per_turn) - 1e-7 <= m["mismatch/topk_tv_mean"] <= max(per_turn) + 1e-7, (per_turn, m)
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for row in rows:
+        ep = row["episode"]
+        assert ep["turns"] == 3 and ep["topk_cells_per_turn"] == ep["generated_tokens_per_turn"]
+        assert all(n > 0 for n in ep["generated_tokens_per_turn"])

@@ -56,10 +56,10 @@ class StepAccumulator:
     def add_mismatch(self, batch: RolloutBatch, micro: Tensor, scores) -> None:
         mask, logp, mu = batch.loss_mask[micro], scores.logp.detach(), batch.rollout_logp[micro]
         cells = scores.topk_logp is not None and batch.rollout_topk_logp is not None
-        stats = metrics.mismatch_stats(
-            logp, mu, mask, logp_cells=scores.topk_logp if cells else None,
-            rollout_cells=batch.rollout_topk_logp[micro] if cells else None,
-            cells_valid=batch.rollout_topk_valid[micro] if cells else None)
+        given = dict(logp_cells=scores.topk_logp.detach() if cells else None,
+                     rollout_cells=batch.rollout_topk_logp[micro] if cells else None,
+                     cells_valid=batch.rollout_topk_valid[micro] if cells else None)
+        stats = metrics.mismatch_stats(logp, mu, mask, **given)
         n = stats.pop("n_tokens")
         for key, value in stats.items():
             self._add(f"mismatch/{key}", value, n)
@@ -72,9 +72,11 @@ class StepAccumulator:
                 self._add(f"mismatch/binary_tv_stale_{j}", total[j] / count[j].clamp(min=1), count[j])
         if self.max_turns and "turn_index" in batch.extras:  # per turn of an episode (generated tokens only)
             turn = batch.extras["turn_index"][micro]
-            total, count = metrics.per_group_sums(binary_tv(logp, mu), mask, turn, self.max_turns)
-            for j in range(count.shape[0]):
-                self._add(f"mismatch/binary_tv_turn_{j}", total[j] / count[j].clamp(min=1), count[j])
+            per_token = metrics.token_mismatch(logp, mu, **given)  # µ's top-K on every turn, seen per turn
+            for name in ("binary_tv", "topk_tv") if cells else ("binary_tv",):
+                total, count = metrics.per_group_sums(per_token[name], mask, turn, self.max_turns)
+                for j in range(count.shape[0]):
+                    self._add(f"mismatch/{name}_turn_{j}", total[j] / count[j].clamp(min=1), count[j])
             if "token_staleness" in batch.extras:
                 stale = batch.extras["token_staleness"][micro].float()
                 total, count = metrics.per_group_sums(stale, mask, turn, self.max_turns)
@@ -173,11 +175,29 @@ def loss_diagnostics(stats: dict[str, Tensor], batch: RolloutBatch, micro: Tenso
 
 
 def samples(completions: list[str], rewards: Tensor, batch: RolloutBatch, examples: list, n: int) -> list[dict[str, Any]]:
-    """The first `n` responses of the step as samples.jsonl rows (prompt, completion, answer, reward)."""
+    """The first `n` responses of the step as samples.jsonl rows (prompt, completion, answer, reward; for a
+    multi-turn episode also its `episode` record, `_episode_record`)."""
     n = min(n, len(completions))
     idx = batch.prompt_index.tolist()
-    return [{"prompt": _prompt_text(examples[idx[i]].prompt), "completion": completions[i],
+    rows = [{"prompt": _prompt_text(examples[idx[i]].prompt), "completion": completions[i],
              "answer": examples[idx[i]].answer, "reward": float(rewards[i])} for i in range(n)]
+    if "turn_index" in batch.extras:
+        for i, row in enumerate(rows):
+            row["episode"] = _episode_record(batch, i)
+    return rows
+
+
+def _episode_record(batch: RolloutBatch, i: int) -> dict[str, Any]:
+    """Per turn of episode `i`: its generated tokens and, when the engine recorded µ's top-K, how many of them carry
+    µ's cells (equal to the generated tokens: µ's top-K is recorded on every generated token of every turn)."""
+    generated = batch.loss_mask[i].bool()
+    turn = batch.extras["turn_index"][i][generated].cpu()
+    turns = int(turn.max()) + 1 if turn.numel() else 0
+    record: dict[str, Any] = {"turns": turns, "generated_tokens_per_turn": torch.bincount(turn, minlength=turns).tolist()}
+    if batch.rollout_topk_valid is not None:
+        with_cells = batch.rollout_topk_valid[i].any(-1)[generated].cpu()
+        record["topk_cells_per_turn"] = torch.bincount(turn[with_cells], minlength=turns).tolist()
+    return record
 
 
 def _prompt_text(prompt) -> str:
