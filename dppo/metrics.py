@@ -27,7 +27,8 @@ from torch import Tensor
 
 from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
 
-__all__ = ["MAXIMA", "MU_BUCKETS", "NAMES", "SEQUENCE_WEIGHTS", "WEIGHTS", "from_sums", "loss_terms",
+__all__ = ["MAXIMA", "MU_BUCKETS", "NAMES", "SEQUENCE_WEIGHTS", "WEIGHTS", "from_sums", "loss_terms", "pass_at_k",
+           "pass_at_k_values",
            "masked_mu_histogram", "masked_mu_shares", "masked_shares",
            "merge", "mismatch_split", "mismatch_stats", "per_group_sums", "ratio_stats", "to_sums", "token_mean", "token_mismatch"]
 
@@ -267,3 +268,23 @@ def merge(parts: Sequence[Mapping[str, Tensor]], weights: Mapping[str, str] = WE
     total = {k: (torch.stack([s[k] for s in sums]).amax(0) if k in MAXIMA else sum(s[k] for s in sums))
              for k in sums[0]}
     return from_sums(total, weights)
+
+
+def pass_at_k(correct: Tensor, n: int, k: int) -> Tensor:
+    """The unbiased pass@k estimate per problem (Chen et al. 2021, "Evaluating Large Language Models Trained on
+    Code", Eq. 1): 1 − C(n − c, k) / C(n, k) for c = `correct` successes among n samples of each problem ([P]
+    integer counts), in the numerically stable product form 1 − Π_{i = n−c+1}^{n} (1 − k / i). float64 [P]."""
+    if not 1 <= k <= n:
+        raise ValueError(f"k: expected 1 <= k <= n = {n}, got {k}")
+    c = correct.to(torch.float64)
+    if bool(((c < 0) | (c > n)).any()):
+        raise ValueError(f"correct: counts must lie in [0, n = {n}]")
+    i = torch.arange(1, n + 1, dtype=torch.float64, device=c.device)
+    factors = torch.where(i[None, :] > (n - c)[:, None], 1.0 - k / i[None, :], torch.ones((), dtype=torch.float64))
+    return 1.0 - factors.prod(dim=1)
+
+
+def pass_at_k_values(n: int) -> list[int]:
+    """The k an evaluation with n samples per problem reports: the powers of two below n, and n."""
+    return sorted({2 ** j for j in range(n.bit_length()) if 2 ** j < n} | {n})
+

@@ -527,3 +527,24 @@ def test_topk_mismatch_is_reported_per_turn_and_samples_count_mus_cells_per_turn
         ep = row["episode"]
         assert ep["turns"] == 3 and ep["topk_cells_per_turn"] == ep["generated_tokens_per_turn"]
         assert all(n > 0 for n in ep["generated_tokens_per_turn"])
+
+
+def test_evaluation_reports_pass_at_k_per_example():
+    """With n samples per example, evaluation reports the unbiased pass@k for k = 2, 4, ..., n over each example's
+    own successes: an environment that succeeds exactly on the examples with an even answer gives, for every k, the
+    share of such examples (a count pooled across examples would not)."""
+    import tempfile
+
+    from conftest import smoke_config
+    from dppo.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = smoke_config(tmp, env={"name": f"{ENVS}:EvenAnswer", "max_turns": 1, "max_tokens": 80},
+                           train={"threads": 1, "eval_samples_per_prompt": 8})
+        with Trainer(cfg, tmp) as trainer:
+            ev = trainer.evaluate()
+            even = sum(int(ex.answer) % 2 == 0 for ex in trainer.eval_examples) / len(trainer.eval_examples)
+    assert 0 < even < 1 and ev["n"] == 8 * len(trainer.eval_examples)
+    for k in (1, 2, 4, 8):
+        assert ev[f"pass@{k}"] == pytest.approx(even, abs=1e-12), (k, ev)
+    assert "pass@16" not in ev

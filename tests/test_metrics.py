@@ -320,3 +320,26 @@ def test_metric_names():
         "binary_tv_mean", "binary_kl_mean", "log_ratio_gt_log2_frac", "topk_tv_mean", "topk_kl_mean", "n_tokens"}
     assert set(masked_shares(batch["keep"], batch["adv"], batch["response_mask"])) == {
         "masked_frac", "masked_frac_pos", "masked_frac_neg", "n_tokens", "n_pos", "n_neg"}
+
+
+def test_pass_at_k_matches_a_hand_computation_and_the_enumeration_of_every_k_subset():
+    """Chen et al.'s unbiased estimator: n = 4 samples, c = 1 right, k = 2: 1 − C(3, 2)/C(4, 2) = 1 − 3/6 = 0.5 by
+    hand; for every n ≤ 7, c ≤ n, k ≤ n it equals the share of the k-subsets of the n samples holding a right one."""
+    import itertools
+
+    from dppo.metrics import pass_at_k, pass_at_k_values
+
+    assert pass_at_k(torch.tensor([1]), 4, 2).item() == 0.5
+    assert pass_at_k(torch.tensor([2]), 4, 2).item() == pytest.approx(1 - 1 / 6, abs=1e-15)
+    for n in range(1, 8):
+        for k in range(1, n + 1):
+            got = pass_at_k(torch.arange(n + 1), n, k)
+            for c in range(n + 1):
+                subsets = list(itertools.combinations([i < c for i in range(n)], k))
+                assert got[c].item() == pytest.approx(sum(any(s) for s in subsets) / len(subsets), abs=1e-12), (n, c, k)
+    assert pass_at_k(torch.tensor([3, 0]), 8, 1).tolist() == pytest.approx([3 / 8, 0.0], abs=1e-15)  # the share right
+    assert pass_at_k_values(8) == [1, 2, 4, 8] and pass_at_k_values(6) == [1, 2, 4, 6] and pass_at_k_values(1) == [1]
+    with pytest.raises(ValueError, match="k: expected 1 <= k <= n"):
+        pass_at_k(torch.tensor([1]), 4, 5)
+    with pytest.raises(ValueError, match="correct: counts"):
+        pass_at_k(torch.tensor([5]), 4, 2)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
+from dppo.metrics import pass_at_k, pass_at_k_values
 from dppo.rollout.base import SamplingParams
 from dppo.rollout.episodes import engine_prompts, episode_rewards, episode_success  # (engine_prompts: re-exported for the studies)
 from dppo.rollout.source import EngineSource
@@ -43,8 +45,8 @@ def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
 
 def evaluate(source, examples, params: SamplingParams, *, pad_id: int) -> dict[str, float]:
     """params.n sampled episodes per example from `source` (a `RolloutSource`: they come back scored): pass@1
-    (the share that succeeded: `episode_success`, the environment's verdict or reward >= 1) and the mean reward over
-    all of them, and for multi-turn episodes the mean turns and tool calls."""
+    (the share that succeeded: `episode_success`, the environment's verdict or reward >= 1), with n > 1 the unbiased
+    pass@k for k = 2, 4, ... and n (`dppo.metrics.pass_at_k`), and the mean reward over all of them, and for multi-turn episodes the mean turns and tool calls."""
     if not examples:
         raise ValueError("examples: the evaluation set is empty")
     rollouts = source.generate(list(examples), params)
@@ -54,7 +56,10 @@ def evaluate(source, examples, params: SamplingParams, *, pad_id: int) -> dict[s
     stats = source.episodes.metrics(rollouts)
     extra = {k: stats[f"episode/{k}_mean"] for k in ("turns", "tool_calls", "tool_errors")
              if f"episode/{k}_mean" in stats}  # (multi-turn environments report them)
-    return {"pass@1": float(success.float().mean()), "reward_mean": float(rewards.mean()),
+    correct = torch.bincount(torch.tensor([r.prompt_index for r in rollouts]), weights=success.double(),
+                             minlength=len(examples))  # successes per example, of its params.n samples
+    pass_k = {f"pass@{k}": float(pass_at_k(correct, params.n, k).mean()) for k in pass_at_k_values(params.n) if k > 1}
+    return {"pass@1": float(success.float().mean()), **pass_k, "reward_mean": float(rewards.mean()),
             "n": len(examples) * params.n, "temperature": params.temperature,
             "response_length": float(batch.response_lengths.float().mean()), **extra}
 

@@ -48,3 +48,11 @@ class Verdict(Environment):
 
     def step(self, reply: str) -> EnvStep:
         return EnvStep(reward=self.reward, done=True, info={} if self.success is None else {"success": self.success})
+
+
+class EvenAnswer(Environment):
+    """One turn; succeeds (verdict and reward 1) exactly when the example's gold answer is even, whatever the reply."""
+
+    def step(self, reply: str) -> EnvStep:
+        ok = int(self.example.answer) % 2 == 0
+        return EnvStep(reward=float(ok), done=True, info={"success": ok})
