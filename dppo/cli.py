@@ -369,7 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"dppo {cmd}: error: {exc}", file=sys.stderr)
-        return next(code for cls, code in ONE_LINE.items() if isinstance(exc, cls))
+        code = next(code for cls, code in ONE_LINE.items() if isinstance(exc, cls))
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the line is out, exit with its status now.
+            sys.stdout.flush()  # A peer may still be inside a collective, and c10d's threads torn down at interpreter
+            sys.stderr.flush()  # exit then abort the process ("terminate called ...", status -6), hiding the status.
+            os._exit(code)
+        return code
 
 
 if __name__ == "__main__":
