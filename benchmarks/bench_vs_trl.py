@@ -137,7 +137,7 @@ def irreducible(trainer, args) -> dict:
     B = batch.response_ids.shape[0]
     adv = torch.randn(B)
     model, opt = trainer.model, trainer.optimizer
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.model.autocast_bf16
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.model.precision == "bf16"
                 else torch.autocast("cpu", enabled=False))
 
     def plain(idx):

@@ -82,7 +82,7 @@ def dppo_config(args, folder: str, engine: str, bf16: bool, run_dir: str):
 
     return replace(
         demo(),
-        model={"name": folder, "dtype": "float32", "autocast_bf16": bf16},
+        model={"name": folder, "dtype": "float32", "precision": "bf16" if bf16 else "fp32"},
         rollout={"engine": engine, "dtype": "bfloat16" if bf16 else "float32", "prompts_per_step": args.prompts,
                  "group_size": args.gens, "max_new_tokens": args.new, "temperature": 1.0},
         loss={"trust_region": "dppo_binary_tv"},

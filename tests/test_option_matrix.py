@@ -87,7 +87,7 @@ def _config(cell: dict, run_dir):
     loss = {"loss": "drpo" if cell["loss"] == "drpo" else "masked_is", "trust_region": region, "anchor": cell["anchor"],
             **{k: v for k, v in SET.items() if k in TRUST_REGIONS[region].params}}
     return smoke_config(
-        run_dir, model={"gradient_checkpointing": cell["ckpt"], "autocast_bf16": cell["autocast"], "lora_rank": cell["lora"]},
+        run_dir, model={"gradient_checkpointing": cell["ckpt"], "precision": "bf16" if cell["autocast"] else "fp32", "lora_rank": cell["lora"]},
         rollout={"prompts_per_step": P, "group_size": G, "max_new_tokens": 6, "top_k_logprobs": K,
                  "temperature": 0.25,  # peaked distributions: large divergences where µ is moved
                  # pinned, not `auto` (which picks by machine): every machine tests the same cells, and the bf16

@@ -279,3 +279,38 @@ def test_smoke_trainer_reports_to_all_three(offline_env):
     for key in keys:
         assert [(e.step, e.value) for e in events.Scalars(key)] == [(s, pytest.approx(rows[s][key])) for s in (1, 2)]
     assert "config/text_summary" in events.Tags()["tensors"]
+
+
+def test_without_a_terminal_the_logger_prints_one_line_per_step(tmp_path, capsys):
+    """stdout is not a TTY under pytest's capture, as in CI, nohup or a log file: no rich bar, a line per step."""
+    logger = RunLogger(tmp_path, total_steps=3, report_to=(), progress=True)
+    assert logger._progress is None
+    for step, reward in ((1, 0.25), (2, 0.5), (3, 0.75)):
+        logger.log_step(step, {"reward/mean": reward, "trust_region/masked_frac": 0.0125,
+                               "mismatch/binary_tv_mean": 3e-4, "perf/step_s": 2.0})
+    logger.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[dppo] step")]
+    assert lines == [f"[dppo] step {s}/3 | reward {r} | masked 1.25% | tv 3.00e-04 | 2.0 s/step | eta {eta}"
+                     for s, r, eta in ((1, "0.250", "0m04s"), (2, "0.500", "0m02s"), (3, "0.750", "0m00s"))]
+
+
+def test_a_long_run_without_a_terminal_prints_a_line_per_percent(tmp_path, capsys):
+    from dppo.run_files.logger import line_interval
+
+    assert (line_interval(100), line_interval(101), line_interval(1000)) == (1, 1, 10)
+    logger = RunLogger(tmp_path, total_steps=1000, report_to=(), progress=True)
+    for step in range(1, 31):
+        logger.log_step(step, {"reward/mean": 0.5})  # a metric missing is a dash, not an error
+    logger.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[dppo] step")]
+    assert [line.split(" |")[0] for line in lines] == ["[dppo] step 10/1000", "[dppo] step 20/1000", "[dppo] step 30/1000"]
+    assert "masked - | tv - | - s/step | eta -" in lines[0]
+
+
+def test_on_a_terminal_the_logger_keeps_the_progress_bar(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    logger = RunLogger(tmp_path, total_steps=3, report_to=(), progress=True)
+    try:
+        assert logger._progress is not None and not logger._lines
+    finally:
+        logger.close()

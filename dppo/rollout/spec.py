@@ -19,7 +19,7 @@ from dppo.rollout.quantize import QuantizedEngine
 from dppo.runtime.models import ModelSpec, load
 from dppo.trust_region import DEFAULT_TOP_K
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class EngineSpec:
     kind: str = "hf"
     """An `dppo.rollout.ENGINES` name: hf or vllm."""
     dtype: str = "float32"
-    """float32 or bfloat16: the dtype the engine samples in."""
+    """float32, bfloat16 or float16: the dtype the engine samples in."""
     device: str = "cpu"
     """Where the engine runs (cpu, cuda, cuda:N)."""
     seed: int = 0

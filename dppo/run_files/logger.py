@@ -175,6 +175,26 @@ class _Trackio:
 _TRACKER_CLASSES = {"tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio}
 
 
+def line_interval(total_steps: int) -> int:
+    """Steps between two progress lines without a terminal: every step up to 100 steps, else one per 1% of the run."""
+    return 1 if total_steps <= 100 else max(1, total_steps // 100)
+
+
+def progress_line(step: int, total: int, metrics: dict[str, Any], step_times: list[float]) -> str:
+    """One compact line of a step for a log without a terminal: step, reward, masked share, mismatch (mean binary
+    TV between µ and π), step time and the time left (the mean of the last 10 steps' times times the steps left)."""
+    def value(name: str, fmt: str) -> str:
+        v = metrics.get(name)
+        return "-" if not isinstance(v, (int, float)) or v != v else format(v, fmt)
+
+    recent = [t for t in step_times[-10:] if t == t]
+    left = (sum(recent) / len(recent)) * max(total - step, 0) if recent else float("nan")
+    eta = "-" if left != left else f"{int(left // 60)}m{int(left % 60):02d}s"
+    return (f"[dppo] step {step}/{total} | reward {value('reward/mean', '.3f')} | "
+            f"masked {value('trust_region/masked_frac', '.2%')} | tv {value('mismatch/binary_tv_mean', '.2e')} | "
+            f"{value('perf/step_s', '.1f')} s/step | eta {eta}")
+
+
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, total_steps: int, report_to: tuple[str, ...] = ("tensorboard",),
                  config: dict[str, Any] | None = None, project: str = "dppo", run_name: str = "",
@@ -210,7 +230,10 @@ class RunLogger:
             self._close_trackers(quiet=True)
             raise
         self._progress = None
-        if progress:
+        self._lines = progress and not sys.stdout.isatty()  # no terminal (CI, nohup, a log file): a line per step
+        self._total, self._start_step, self._line_every = total_steps, start_step, line_interval(total_steps)
+        self._step_times: list[float] = []
+        if progress and not self._lines:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(TextColumn("[bold]dppo"), BarColumn(), MofNCompleteColumn(),
@@ -237,6 +260,10 @@ class RunLogger:
         if self._progress is not None:
             info = f"reward {metrics.get('reward/mean', float('nan')):.3f} | {metrics.get('perf/step_s', float('nan')):.1f}s/step"
             self._progress.update(self._task, completed=step, info=info)
+        elif self._lines:
+            self._step_times.append(float(metrics.get("perf/step_s", float("nan"))))
+            if step % self._line_every == 0 or step == self._total:
+                print(progress_line(step, self._total, metrics, self._step_times), flush=True)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         if not self.active:

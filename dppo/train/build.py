@@ -154,6 +154,12 @@ def resolve_rollout(cfg: Config) -> tuple:
     return hardware.resolve_engine(cfg.rollout.engine, dtype.value, device), dtype, warning
 
 
+def resolve_precision(cfg: Config) -> tuple:
+    """(training precision, warning or None) for this machine: `model.precision: auto` resolved by
+    `dppo.runtime.hardware.resolve_precision` (bf16 autocast where bf16 is native), with its reason."""
+    return hardware.resolve_precision(cfg.model.precision, resolve_device(cfg.model.device), cfg.model.dtype)
+
+
 FILE_TASK_PATHS = ("path", "eval_path")
 """The `file` task's options that name a file it reads."""
 
@@ -179,8 +185,8 @@ def absolute_paths(cfg: Config, base: Path) -> Config:
 
 
 def resolve_config(cfg: Config) -> Config:
-    """`cfg` with every value the run will use written out: rollout.engine and rollout.dtype as `auto` chose them
-    on this machine, rollout.top_k_logprobs as K (20 or 0 when unset), and the loss as its resolved `LossSpec`
+    """`cfg` with every value the run will use written out: rollout.engine, rollout.dtype and model.precision as
+    `auto` chose them on this machine, rollout.top_k_logprobs as K (20 or 0 when unset), and the loss as its resolved `LossSpec`
     (`LossConfig.spec`: the chosen trust region's parameters, the sequence mask's δ and DRPO's δ at their defaults
     when unset; the parameters of the other trust regions stay as given). A run directory's config.yaml holds this,
     and a resumed run reads exactly it (idempotent: resolving it again changes nothing). Every file the run reads is
@@ -188,7 +194,8 @@ def resolve_config(cfg: Config) -> Config:
     (the environment scores each episode, the sum of its turns' rewards: a reward given is not used, and the run
     says so at start, `resolution_notes`)."""
     engine, dtype, _ = resolve_rollout(cfg)
-    cfg = absolute_paths(cfg, Path.cwd())
+    precision, _ = resolve_precision(cfg)
+    cfg = replace(absolute_paths(cfg, Path.cwd()), model={"precision": precision.value})
     if cfg.env.name:  # the environment scores each episode: the task's reward is not used (`resolution_notes`)
         cfg = replace(cfg, task={"reward": ""})
     return replace(cfg, rollout={"engine": engine.value, "dtype": dtype.value, "top_k_logprobs": cfg.top_k_logprobs},
@@ -217,10 +224,13 @@ def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0)
                       vllm=vllm if engine.value == "vllm" else {})
 
 
-def announce_rollout(cfg: Config, announce) -> None:
-    """Say which engine and dtype `auto` chose and why (and the emulated-bf16 warning)."""
+def announce_rollout(cfg: Config, announce, *, training: bool = False) -> None:
+    """Say which engine and dtype `auto` chose and why (and the emulated-bf16 warning); `training`: the training
+    precision too (the trainer's start; evaluation and tools only sample)."""
     engine, dtype, warning = resolve_rollout(cfg)
-    for line in (describe(engine, dtype), warning and f"[dppo] warning: {warning}"):
+    precision, precision_warning = resolve_precision(cfg) if training else (None, None)
+    for line in (describe(engine, dtype, precision), warning and f"[dppo] warning: {warning}",
+                 precision_warning and f"[dppo] warning: {precision_warning}"):
         if line and announce is not None:
             announce(line)
 

@@ -47,8 +47,11 @@ class ModelConfig:
     """Dtype of the trainer's weights (the master copy the optimizer updates)."""
     device: str = "auto"
     """Trainer device: auto (cuda when available, else cpu), cpu, cuda, cuda:N."""
-    autocast_bf16: bool = False
-    """Run the trainer's forward/backward under bf16 autocast (weights stay in `dtype`)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Training precision: the dtype of the forward/backward matmuls (master weights and optimiser state stay in
+    `dtype`; log-softmax, importance weight and divergences are float32 always). auto = bf16 autocast where bf16 is
+    native (CUDA with bf16; CPUs with avx512_bf16 or AMX), fp32 otherwise. fp16 = float16 autocast with a dynamic
+    gradient scaler (an overflowing step is skipped and counted). dppo.runtime.hardware.resolve_precision."""
     gradient_checkpointing: bool = False
     """Recompute decoder activations in backward to save memory."""
     lora_rank: int = 0
@@ -65,6 +68,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.name:
             _fail("model.name", "expected a built-in name or a model folder, got ''")
+        if self.dtype == "bfloat16" and self.precision in ("fp32", "fp16"):
+            _fail("model.precision", f"{self.precision} needs float32 master weights, but model.dtype is bfloat16 "
+                                     f"(the trainer then computes in bf16: use model.precision auto or bf16)")
         if self.lora_rank < 0:
             _fail("model.lora_rank", f"expected >= 0, got {self.lora_rank}")
         _positive("model", lora_alpha=self.lora_alpha, tiny_hidden=self.tiny_hidden, tiny_layers=self.tiny_layers)
@@ -78,9 +84,10 @@ class RolloutConfig:
     """auto = the faster engine for the hardware and engine dtype (dppo.runtime.hardware.resolve_engine): vllm on CUDA
     and on CPUs in bf16; hf on CPUs in float32 (it shares each prompt's prefix across its G samples). vllm
     only when importable."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype the engine samples in. auto = bfloat16 where it is native (CUDA with bf16; CPUs with avx512_bf16 or
-    AMX), float32 otherwise (emulated bf16 is 3-4x slower). bf16 vs an fp32 trainer is a real mismatch."""
+    AMX), float32 otherwise (emulated bf16 is 3-4x slower). bf16 vs an fp32 trainer is a real mismatch; float16
+    (never a default) narrows it at the source, with an fp16 trainer most of all."""
     prompts_per_step: int = 8
     """P: prompts sampled per training step."""
     group_size: int = 8
@@ -446,7 +453,8 @@ class LogConfig:
     (TRACKIO_DIR, default ~/.cache/huggingface/trackio; TRACKIO_SPACE_ID/TRACKIO_SERVER_URL are ignored).
     False = each goes online as it is configured (wandb login / WANDB_MODE, trackio's variables)."""
     progress: bool = True
-    """Show a rich progress bar."""
+    """Show progress: a rich progress bar on a terminal; without one (CI, nohup, a log file) one line per step
+    (one per 1% of the run past 100 steps) with reward, masked share, mismatch, step time and time left."""
     samples_per_step: int = 4
     """Responses per step written to samples.jsonl."""
 
@@ -534,7 +542,7 @@ class Config:
         kwargs = {}
         for f in dataclasses.fields(cls):
             section_cls = _SECTIONS[f.name]
-            values = dict(data.get(f.name) or {})
+            values = _migrate(f.name, dict(data.get(f.name) or {}))
             known = {g.name for g in dataclasses.fields(section_cls)}
             bad = set(values) - known
             if bad:
@@ -565,6 +573,16 @@ _SECTIONS = {
     "model": ModelConfig, "rollout": RolloutConfig, "task": TaskConfig, "env": EnvConfig, "loss": LossConfig,
     "advantage": AdvantageConfig, "optim": OptimConfig, "train": TrainConfig, "log": LogConfig,
 }
+
+
+def _migrate(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    """A section of a config.yaml written by an older dppo, in today's fields: model.autocast_bf16 (before
+    model.precision) becomes precision bf16 when true and fp32 when false (such a run trained in fp32, and resuming
+    it keeps that precision)."""
+    if section == "model" and "autocast_bf16" in values:
+        old = values.pop("autocast_bf16")
+        values.setdefault("precision", "bf16" if old else "fp32")
+    return values
 
 
 def _plain(value):

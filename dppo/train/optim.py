@@ -4,6 +4,13 @@
 finite (one host sync per optimiser step); otherwise the step is skipped with the weights and the optimiser state
 untouched, counted, announced when a streak starts and every `SKIP_WARN_EVERY`-th skip, and
 `train.max_consecutive_skips` skips in a row stop the run with an error naming the first non-finite tensor.
+
+Under fp16 (`model.precision fp16`) the loss is scaled before backward by torch's dynamic `GradScaler` (fp16's
+range ends at 65504 and its smallest normal is 6e-5, so unscaled gradients underflow): the gradients are unscaled
+before the norm, a step whose gradients overflowed is skipped like any other non-finite step (counted in
+`skipped_steps` and in `overflow_steps`, the skip limit applies: each overflow halves the scale, so ten in a row
+mean a scale 1024 times smaller) and the scale backs off; a finite step steps and lets the scale grow. The
+decision is the global one (all ranks), and every rank sets the same scale.
 """
 
 from __future__ import annotations
@@ -37,30 +44,71 @@ class GuardedOptimizer:
 
     def __init__(self, model: nn.Module, params: list[Tensor], dist: Dist, *, lr: float, betas: tuple[float, float],
                  weight_decay: float, warmup_steps: int, grad_clip: float, max_consecutive_skips: int,
-                 announce: Callable[[str], None]) -> None:
+                 announce: Callable[[str], None], loss_scaling: bool = False) -> None:
         self.model, self.params, self.dist, self.announce = model, params, dist, announce
         self.grad_clip, self.limit = grad_clip, max_consecutive_skips
         self.optimizer = make_optimizer(params, lr=lr, betas=betas, weight_decay=weight_decay)
         warm = warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        device = params[0].device.type if params else "cpu"
+        self.scaler = torch.amp.GradScaler(device) if loss_scaling else None  # fp16: dynamic loss scale
+        self.overflow_steps = 0  # fp16: skipped steps whose scaled gradients overflowed
         self.skipped_steps = 0
         self.consecutive_skips = 0  # optimiser steps skipped in a row; max_consecutive_skips stops the run
         self._first_skip: tuple[int, str] | None = None  # (step, non-finite tensor) that began the current streak
 
+    def backward(self, loss: Tensor) -> None:
+        """Backpropagate a micro-batch's loss (scaled under fp16)."""
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the current loss scale (None without loss scaling)."""
+        return None if self.scaler is None else float(self.scaler.get_scale())
+
+    def set_loss_scale(self, scale: float) -> None:
+        """fp16: set the loss scale (the scaler's state otherwise as it is)."""
+        self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": float(scale)})
+
     def step(self, loss_finite: Tensor, step: int) -> Tensor:
         """Clip and step only if the mini-batch's loss and gradient norm are finite; otherwise skip (weights and
-        optimiser state untouched) and count it. `step`: the training step being computed. Returns the norm."""
+        optimiser state untouched) and count it. `step`: the training step being computed. Returns the norm
+        (of the unscaled gradients)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         grad_norm = self.dist.grad_norm(self.params)  # global: the same on every rank
         if bool(self.dist.all_true(torch.isfinite(grad_norm) & loss_finite)):  # the one host sync per optimiser step
             if self.grad_clip > 0:
                 self.dist.clip_(self.params, self.grad_clip, grad_norm)
-            self.optimizer.step()
+            if self.scaler is None:
+                self.optimizer.step()
+            else:  # finite everywhere, so the scaler steps; then the scale may grow
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
             self.scheduler.step()
             self.consecutive_skips, self._first_skip = 0, None
         else:
-            self.skip(step, loss_finite=bool(loss_finite))  # before zero_grad: it names the first non-finite gradient
+            overflow = self.scaler is not None and bool(loss_finite)
+            if overflow:  # the same backed-off scale on every rank, whatever each rank's own gradients held
+                self.overflow_steps += 1
+                self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
+            culprit = f"fp16 gradient (overflow; loss scale now {self.loss_scale:g})" if overflow else None
+            self.skip(step, loss_finite=bool(loss_finite), culprit=culprit)  # before zero_grad: names the gradient
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm.detach()
+
+    def state_dict(self) -> dict:
+        """The counters and the fp16 scaler's state a checkpoint keeps."""
+        state = {"skipped_steps": self.skipped_steps, "overflow_steps": self.overflow_steps}
+        if self.scaler is not None:
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.overflow_steps = int(state.get("overflow_steps", 0))
+        if self.scaler is not None and state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])
 
     def skip(self, step: int, *, loss_finite: bool = True, culprit: str | None = None) -> None:
         """Count a skipped optimiser step of training step `step`; too many in a row raise RuntimeError naming the

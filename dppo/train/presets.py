@@ -23,10 +23,11 @@ def demo() -> Config:
 
 
 def smoke() -> Config:
-    """A tiny random model on the built-in addition task: a few steps in seconds (used by the tests)."""
+    """A tiny random model on the built-in addition task: a few steps in seconds (used by the tests). fp32 engine
+    and trainer on every machine (not `auto`): the tests built on it compare exact math."""
     return replace(
         Config(),
-        model={"name": "tiny-random", "tiny_hidden": 64, "tiny_layers": 2},
+        model={"name": "tiny-random", "tiny_hidden": 64, "tiny_layers": 2, "precision": "fp32"},
         rollout={"engine": "hf", "dtype": "float32", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6},
         task={"name": "addition", "options": '{"digits": 1}', "size": 200, "eval_size": 16, "reward": "digit_fraction"},
         optim={"lr": 1e-3},

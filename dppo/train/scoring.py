@@ -260,6 +260,17 @@ def score_responses_reference(
     )
 
 
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""model.precision (resolved) -> the autocast dtype of the trainer's forward/backward."""
+
+
+def autocast_dtype(precision: str, weights: torch.dtype) -> torch.dtype | None:
+    """The dtype `score_batch` autocasts to for a resolved `precision` with master weights of dtype `weights`:
+    None when the weights already have it (bfloat16 weights compute in bf16 without autocast)."""
+    dtype = AUTOCAST[precision]
+    return None if dtype == weights else dtype
+
+
 class ScoringModule(nn.Module):
     """`score_responses` as a module forward, so that DDP and FSDP2 hook a real forward (scoring runs the decoder
     and the lm-head weight directly, never the causal LM's own forward). `layout` is passed on."""
@@ -273,12 +284,16 @@ class ScoringModule(nn.Module):
 
 
 def score_batch(scorer: nn.Module, batch, idx: Tensor, *, grad: bool, with_entropy: bool = False, temperature: float,
-                pad_id: int, autocast_bf16: bool = False) -> Scores:
+                pad_id: int, autocast: torch.dtype | None = None) -> Scores:
     """π's log-probs (and top-K cells at µ's ids, entropy) of the sequences `idx` of a `RolloutBatch`, through
-    `scorer` (a `ScoringModule`, DDP/FSDP2-wrapped under torchrun), with gradient or without, under bf16 autocast
-    when `autocast_bf16`."""
+    `scorer` (a `ScoringModule`, DDP/FSDP2-wrapped under torchrun), with gradient or without, under autocast to
+    `autocast` (bfloat16 or float16; None = the weights' own dtype, `autocast_dtype`). Under autocast the decoder's
+    matmuls run in that dtype while the residual stream, the norms and the final hidden state stay float32, so the
+    fused lm-head + log-softmax (`fused_logprobs`, whose matmuls follow the hidden state's dtype) computes the
+    logits and log-probs in float32: the log-probs the importance weight and the divergences read are never rounded
+    to 16 bits."""
     device = next(scorer.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else contextlib.nullcontext()
+    autocast = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     with (contextlib.nullcontext() if grad else torch.no_grad()), autocast:
         return scorer(
             [batch.prompt_ids[i] for i in idx.tolist()], batch.response_ids[idx], batch.response_mask[idx],

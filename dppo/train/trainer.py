@@ -43,7 +43,7 @@ from dppo.train.evaluation import evaluate
 from dppo.train.optim import GuardedOptimizer
 from dppo.train.prompts import PromptSampler
 from dppo.train.resume import restore
-from dppo.train.scoring import Scores, score_batch
+from dppo.train.scoring import Scores, autocast_dtype, score_batch
 from dppo.train.step_metrics import StepAccumulator, loss_diagnostics, prune_unreached, samples, step_metrics
 from dppo.train.stopping import GracefulStop
 from dppo.train.timing import StepTimer
@@ -76,10 +76,12 @@ class Trainer:
         self.topk_divergence = {"topk_tv": topk_tv, "topk_kl": topk_kl}[region.divergence] if region.needs_topk else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.device = next(self.model.parameters()).device
+        self.autocast = autocast_dtype(cfg.model.precision, next(self.model.parameters()).dtype)  # None = fp32
         o = cfg.optim
         self.optim = GuardedOptimizer(self.model, self.params, self.dist, lr=o.lr, betas=(o.beta1, o.beta2),
                                       weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, grad_clip=o.grad_clip,
                                       max_consecutive_skips=cfg.train.max_consecutive_skips,
+                                      loss_scaling=self.autocast == torch.float16,
                                       announce=lambda line: self.logger.print(line))
         self.optimizer, self.scheduler = self.optim.optimizer, self.optim.scheduler
         self.step_idx = 0
@@ -91,7 +93,7 @@ class Trainer:
         self.stop_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id] if i is not None}))
         self.logger = RunLogger.for_run(self.run_dir, cfg, start_step=self.step_idx, active=self.dist.is_main)
         announce = lambda line: print(line, flush=True) if self.dist.is_main else None  # noqa: E731
-        announce_rollout(requested, announce)  # what `auto` chose and why (the resolved config only says what)
+        announce_rollout(requested, announce, training=True)  # what `auto` chose and why (the resolved config only says what)
         for line in resolution_notes(requested):
             announce(line)
         if env_line:
@@ -182,6 +184,9 @@ class Trainer:
             values = step_metrics(batch, rewards, success, reward_stats, adv_stats, update_stats,
                                   lr=self.scheduler.get_last_lr()[0], skipped_steps=self.optim.skipped_steps,
                                   max_staleness=self.source.max_staleness)
+            if self.optim.scaler is not None:  # fp16
+                values.update({"optim/loss_scale": self.optim.loss_scale,
+                               "optim/overflow_steps_total": float(self.optim.overflow_steps)})
             metrics = prune_unreached(self.dist.reduce_metrics(values), self.source.max_staleness)  # the one sync
             metrics.update(self.episodes.metrics(rollouts))  # (episode/*: multi-turn environments only)
         step_s = time.perf_counter() - t_start
@@ -211,7 +216,7 @@ class Trainer:
     def _score(self, batch: RolloutBatch, idx: Tensor, *, grad: bool, with_entropy: bool = False):
         """π's log-probs (and top-K cells, entropy) for the sequences `idx` of the batch."""
         return score_batch(self.scorer, batch, idx, grad=grad, with_entropy=with_entropy, pad_id=self.pad_id,
-                           temperature=self.cfg.rollout.temperature, autocast_bf16=self.cfg.model.autocast_bf16)
+                           temperature=self.cfg.rollout.temperature, autocast=self.autocast)
 
     def _publish_weights(self) -> None:
         """After a training step: its weights become version step_idx + 1 of the source (versions count steps)."""
@@ -257,7 +262,7 @@ class Trainer:
                     with timer.time("loss"):
                         loss, stats = self._loss(batch, micro, scores, adv, old, denom, batch_stats)
                     with timer.time("backward"):
-                        loss.backward()  # a non-finite loss still backpropagates; the optimiser step is then skipped
+                        self.optim.backward(loss)  # a non-finite loss still backpropagates; the step is then skipped
                     with timer.time("loss"):
                         loss_finite &= torch.isfinite(loss.detach())
                         mb_loss = mb_loss + loss.detach().float()
@@ -314,7 +319,7 @@ class Trainer:
 
     def save(self) -> Path:
         # the position after the last trained batch, so a resume draws any batches in flight (async) again
-        state = {"sampler_position": self.source.trained_position, "skipped_steps": self.optim.skipped_steps}
+        state = {"sampler_position": self.source.trained_position, **self.optim.state_dict()}
         return save_training_checkpoint(self.dist, self.run_dir, self.step_idx, model=self.model, optimizer=self.optimizer,
                                          scheduler=self.scheduler, trainer_state=state,
                                          keep=self.cfg.train.keep_checkpoints)  # under torchrun: rank 0 writes
@@ -322,7 +327,7 @@ class Trainer:
     def _restore(self) -> None:
         path, st = restore(self.run_dir, self.model, self.optimizer, self.scheduler, self.dist)
         self.step_idx, self.sampler.position = int(st["step"]), int(st["sampler_position"])
-        self.optim.skipped_steps = int(st.get("skipped_steps", 0))
+        self.optim.load_state_dict(st)
         if self.dist.is_main:
             print(f"[dppo] resumed from {path} at step {self.step_idx}", flush=True)
 
