@@ -42,6 +42,7 @@ import tyro
 from dppo.envs import make_environment
 from dppo.run_files.checkpoint import CheckpointError, load_checkpoint, load_latest
 from dppo.run_files.export import export_model
+from dppo.runtime.noise import quiet_third_party
 from dppo.run_files.run_dir import RunDirError, checkpoint_path, complete_checkpoints, guard, write_atomic
 from dppo.studies.agent_sft import agent_sft, save_model
 from dppo.studies.diagnose.cli import cmd_diagnose as diagnose_command
@@ -357,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    quiet_third_party()  # start-up warnings that say nothing about the run (dppo.runtime.noise)
     if cmd not in COMMANDS:
         print(f"dppo: unknown command {cmd!r}; valid: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2

