@@ -35,35 +35,9 @@ from dppo.train.build import build_task
 from dppo.runtime.models import load_model, load_tokenizer
 from dppo.train.presets import get_preset
 
-from common import emit  # benchmarks/ is on sys.path when a benchmark runs as a script
+from common import emit, sample_responses, teacher_logprobs  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 DELTA = 0.15
-
-
-def sample(model, tokenizer, prompts, samples: int, max_new_tokens: int, seed: int):
-    """Token ids [N, L] (left-padded prompt + sampled response), the response mask [N, L] (EOS included)."""
-    texts = [tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False) for p in prompts]
-    tokenizer.padding_side = "left"
-    enc = tokenizer([t for t in texts for _ in range(samples)], return_tensors="pt", padding=True)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
-    prompt_len = enc["input_ids"].shape[1]
-    response = out[:, prompt_len:]
-    is_eos = response == tokenizer.eos_token_id
-    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
-    mask = torch.zeros_like(out, dtype=torch.bool)
-    mask[:, prompt_len:] = ~after_eos
-    attention = torch.cat([enc["attention_mask"], (~after_eos).long()], dim=1)
-    return out, attention, mask
-
-
-def token_logprobs(model, ids, attention) -> torch.Tensor:
-    """Full-vocabulary log-probs in fp32 for predicting ids[:, 1:], [N, L-1, V]."""
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-    return logits.log_softmax(-1)
 
 
 def variants(model):
@@ -104,11 +78,11 @@ def main() -> None:
     prompts = [ex.prompt for ex in build_task(cfg).train_examples()[: args.prompts]]
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=torch.float32)
-    ids, attention, mask = sample(model, tokenizer, prompts, args.samples, args.max_new_tokens, args.seed)
+    ids, attention, mask = sample_responses(model, tokenizer, prompts, args.samples, args.max_new_tokens, args.seed)
     targets, mask = ids[:, 1:], mask[:, 1:]
-    pi_logp = token_logprobs(model, ids, attention)
+    pi_logp = teacher_logprobs(model, ids, attention)
     n_tokens = int(mask.sum())
-    rows = {name: measure(pi_logp, token_logprobs(engine, ids, attention), targets, mask)
+    rows = {name: measure(pi_logp, teacher_logprobs(engine, ids, attention), targets, mask)
             for name, engine in variants(model)}
     print(f"{args.model}: {len(prompts)} prompts x {args.samples} samples, {n_tokens} response tokens "
           f"(sampled from the fp32 model; every engine scores the same tokens)")

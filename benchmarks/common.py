@@ -109,6 +109,37 @@ def plain_logp(model, prompt_ids, response, pad_id: int = 0):
     return torch.log_softmax(logits, -1).gather(-1, response[..., None]).squeeze(-1)
 
 
+def sample_responses(model, tokenizer, prompts, samples: int, max_new_tokens: int, seed: int):
+    """`samples` responses per chat prompt sampled from `model` (temperature 1, no truncation): token ids [N, L]
+    (left-padded prompt + response), attention [N, L], the response mask [N, L] (EOS included)."""
+    import torch
+
+    texts = [tokenizer.apply_chat_template(list(p), add_generation_prompt=True, tokenize=False) for p in prompts]
+    tokenizer.padding_side = "left"
+    enc = tokenizer([t for t in texts for _ in range(samples)], return_tensors="pt", padding=True)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    prompt_len = enc["input_ids"].shape[1]
+    response = out[:, prompt_len:]
+    is_eos = response == tokenizer.eos_token_id
+    after_eos = (is_eos.long().cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
+    mask = torch.zeros_like(out, dtype=torch.bool)
+    mask[:, prompt_len:] = ~after_eos
+    attention = torch.cat([enc["attention_mask"], (~after_eos).long()], dim=1)
+    return out, attention, mask
+
+
+def teacher_logprobs(model, ids, attention):
+    """Full-vocabulary log-probs in fp32 for predicting ids[:, 1:], [N, L-1, V] (the model in its own dtype)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    return logits.log_softmax(-1)
+
+
 def timed(fn: Callable[[], Any]) -> float:
     """Wall seconds of one call of `fn`."""
     t0 = time.perf_counter()

@@ -73,7 +73,7 @@ def test_a_k_above_the_engine_cap_is_refused_at_build_time_naming_the_field():
     with pytest.raises(ValueError, match=r"^rollout\.top_k_logprobs: 100000 exceeds the hf engine's max_logprobs"):
         build_engine(dataclasses.replace(spec, top_k_logprobs=100_000))
     with pytest.raises(ValueError, match=r"^rollout\.dtype:"):
-        EngineSpec(spec.model, dtype="float16")
+        EngineSpec(spec.model, dtype="float8")
 
 
 def _file_config(tmp_path, eval_size, **options):

@@ -312,7 +312,8 @@ def test_chat_prompts_need_a_tokenizer(model_dir, tmp_path, chat_prompts):
 @pytest.mark.slow
 def test_smollm2_bf16_mismatch_is_measured_and_fp32_matches():
     """SmolLM2-135M: vLLM bf16 (its checkpoint dtype) vs fp32 transformers is a real mismatch (mean |Δ log p|
-    ~0.02 per machine-facts); vLLM fp32 matches to ~1e-5. Prints the numbers."""
+    ~0.02 per machine-facts); vLLM fp16 (`rollout.dtype float16`) is a smaller one; vLLM fp32 matches to ~1e-5.
+    Prints the numbers."""
     from dppo.runtime.models import load_model, resolve_model_path
     from dppo.rollout.vllm import VLLMEngine
 
@@ -324,7 +325,7 @@ def test_smollm2_bf16_mismatch_is_measured_and_fp32_matches():
     prompts = [[{"role": "user", "content": q}] for q in questions]
     params = SamplingParams(n=2, max_new_tokens=32, top_k_logprobs=20, seed=0)
     stats = {}
-    for dtype in ("bfloat16", "float32"):
+    for dtype in ("bfloat16", "float16", "float32"):
         with VLLMEngine(path, dtype=dtype, kv_cache_gb=1) as eng:
             rollouts = eng.generate(prompts, params)
         deltas, overlaps = [], []
@@ -339,6 +340,7 @@ def test_smollm2_bf16_mismatch_is_measured_and_fp32_matches():
     print("\nSmolLM2 vLLM vs fp32 HF:", json.dumps(stats))
     assert 1e-3 < stats["bfloat16"]["mean_abs_dlogp"] < 0.1
     assert stats["bfloat16"]["top20_overlap"] > 0.9
+    assert 0 < stats["float16"]["mean_abs_dlogp"] < stats["bfloat16"]["mean_abs_dlogp"] / 2  # 3 more mantissa bits
     assert stats["float32"]["max_abs_dlogp"] <= 1e-3 and stats["float32"]["top20_overlap"] > 0.99
 
 
