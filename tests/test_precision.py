@@ -124,6 +124,21 @@ def test_fp16_loss_scaling_skips_an_overflowing_step_and_counts_it():
     assert opt.state_dict()["grad_scaler"]["scale"] == 2.0 ** 10  # (no growth yet: growth_interval 2000)
 
 
+def test_fp16_a_non_finite_loss_is_skipped_and_the_next_step_still_runs():
+    model, announced = nn.Linear(8, 8), []
+    opt = _fp16_optimizer(model, announced)
+    x = torch.randn(4, 8)
+    loss = _fp16_loss(model, x) * float("nan")
+    opt.backward(loss)
+    opt.step(torch.isfinite(loss.detach()), step=1)
+    assert (opt.skipped_steps, opt.overflow_steps) == (1, 0) and "non-finite loss" in announced[0]
+    before = model.weight.detach().clone()
+    loss = _fp16_loss(model, x)
+    opt.backward(loss)  # the scaler was updated on the skip: unscale_ may run again
+    opt.step(torch.isfinite(loss.detach()), step=2)
+    assert opt.consecutive_skips == 0 and not torch.equal(before, model.weight)
+
+
 def test_fp16_overflows_count_towards_the_skip_limit():
     model, announced = nn.Linear(8, 8), []
     opt = _fp16_optimizer(model, announced)

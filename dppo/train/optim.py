@@ -89,8 +89,8 @@ class GuardedOptimizer:
             self.consecutive_skips, self._first_skip = 0, None
         else:
             overflow = self.scaler is not None and bool(loss_finite)
-            if overflow:  # the same backed-off scale on every rank, whatever each rank's own gradients held
-                self.overflow_steps += 1
+            if self.scaler is not None:  # the same backed-off scale on every rank, whatever each rank's gradients held
+                self.overflow_steps += overflow  # (a non-finite loss is no overflow of the scaled gradients)
                 self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
             culprit = f"fp16 gradient (overflow; loss scale now {self.loss_scale:g})" if overflow else None
             self.skip(step, loss_finite=bool(loss_finite), culprit=culprit)  # before zero_grad: names the gradient
