@@ -24,18 +24,14 @@ Prints a table for people, then one JSON line with every number.
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
 
 from dppo.divergence import full_tv
 from dppo.rollout.quantize import add_fp8_activation_hooks, fp8_weights
-from dppo.train.build import build_task
-from dppo.runtime.models import load_model, load_tokenizer
-from dppo.train.presets import get_preset
 
-from common import emit, sample_responses, teacher_logprobs  # benchmarks/ is on sys.path when a benchmark runs as a script
+from common import emit, teacher_forced_setup, teacher_logprobs  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 DELTA = 0.15
 
@@ -64,21 +60,7 @@ def measure(pi_logp, mu_logp, targets, mask) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m", help="built-in model name or a local folder")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--samples", type=int, default=4, help="responses per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="4 prompts x 2 samples, 24 new tokens")
-    args = p.parse_args()
-    if args.quick:
-        args.prompts, args.samples, args.max_new_tokens = 4, 2, 24
-    cfg = get_preset("demo")
-    prompts = [ex.prompt for ex in build_task(cfg).train_examples()[: args.prompts]]
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=torch.float32)
-    ids, attention, mask = sample_responses(model, tokenizer, prompts, args.samples, args.max_new_tokens, args.seed)
+    args, prompts, model, ids, attention, mask = teacher_forced_setup(__doc__.split("\n\n")[0])
     targets, mask = ids[:, 1:], mask[:, 1:]
     pi_logp = teacher_logprobs(model, ids, attention)
     n_tokens = int(mask.sum())

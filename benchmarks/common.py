@@ -109,6 +109,35 @@ def plain_logp(model, prompt_ids, response, pad_id: int = 0):
     return torch.log_softmax(logits, -1).gather(-1, response[..., None]).squeeze(-1)
 
 
+def teacher_forced_setup(description: str):
+    """The set-up the teacher-forcing mismatch benchmarks share: their flags parsed (--model, --prompts, --samples,
+    --max-new-tokens, --seed, --quick = 4 prompts x 2 samples, 24 new tokens), then the fp32 model and responses it
+    sampled on the demo task's prompts. Returns (args, prompts, model, ids, attention, mask)."""
+    import argparse
+
+    import torch
+
+    from dppo.runtime.models import load_model, load_tokenizer
+    from dppo.train.build import build_task
+    from dppo.train.presets import get_preset
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model", default="smollm2-135m", help="built-in model name or a local folder")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--samples", type=int, default=4, help="responses per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="4 prompts x 2 samples, 24 new tokens")
+    args = p.parse_args()
+    if args.quick:
+        args.prompts, args.samples, args.max_new_tokens = 4, 2, 24
+    prompts = [ex.prompt for ex in build_task(get_preset("demo")).train_examples()[: args.prompts]]
+    model = load_model(args.model, dtype=torch.float32)
+    ids, attention, mask = sample_responses(model, load_tokenizer(args.model), prompts, args.samples,
+                                            args.max_new_tokens, args.seed)
+    return args, prompts, model, ids, attention, mask
+
+
 def sample_responses(model, tokenizer, prompts, samples: int, max_new_tokens: int, seed: int):
     """`samples` responses per chat prompt sampled from `model` (temperature 1, no truncation): token ids [N, L]
     (left-padded prompt + response), attention [N, L], the response mask [N, L] (EOS included)."""

@@ -97,6 +97,12 @@ class GuardedOptimizer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm.detach()
 
+    def metrics(self) -> dict[str, float]:
+        """fp16: the loss scale and the overflowing steps so far; {} without loss scaling."""
+        if self.scaler is None:
+            return {}
+        return {"optim/loss_scale": self.loss_scale, "optim/overflow_steps_total": float(self.overflow_steps)}
+
     def state_dict(self) -> dict:
         """The counters and the fp16 scaler's state a checkpoint keeps."""
         state = {"skipped_steps": self.skipped_steps, "overflow_steps": self.overflow_steps}

@@ -81,8 +81,7 @@ class Trainer:
         self.optim = GuardedOptimizer(self.model, self.params, self.dist, lr=o.lr, betas=(o.beta1, o.beta2),
                                       weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, grad_clip=o.grad_clip,
                                       max_consecutive_skips=cfg.train.max_consecutive_skips,
-                                      loss_scaling=self.autocast == torch.float16,
-                                      announce=lambda line: self.logger.print(line))
+                                      announce=lambda line: self.logger.print(line), loss_scaling=cfg.model.precision == "fp16")
         self.optimizer, self.scheduler = self.optim.optimizer, self.optim.scheduler
         self.step_idx = 0
         self.sampler = PromptSampler(len(self.train_examples), cfg.train.seed)
@@ -184,9 +183,7 @@ class Trainer:
             values = step_metrics(batch, rewards, success, reward_stats, adv_stats, update_stats,
                                   lr=self.scheduler.get_last_lr()[0], skipped_steps=self.optim.skipped_steps,
                                   max_staleness=self.source.max_staleness)
-            if self.optim.scaler is not None:  # fp16
-                values.update({"optim/loss_scale": self.optim.loss_scale,
-                               "optim/overflow_steps_total": float(self.optim.overflow_steps)})
+            values.update(self.optim.metrics())  # (fp16: the loss scale and the overflows)
             metrics = prune_unreached(self.dist.reduce_metrics(values), self.source.max_staleness)  # the one sync
             metrics.update(self.episodes.metrics(rollouts))  # (episode/*: multi-turn environments only)
         step_s = time.perf_counter() - t_start
@@ -318,11 +315,10 @@ class Trainer:
         return result
 
     def save(self) -> Path:
-        # the position after the last trained batch, so a resume draws any batches in flight (async) again
+        # rank 0 writes (torchrun); the sampler position after the last trained batch: a resume redraws any in flight
         state = {"sampler_position": self.source.trained_position, **self.optim.state_dict()}
         return save_training_checkpoint(self.dist, self.run_dir, self.step_idx, model=self.model, optimizer=self.optimizer,
-                                         scheduler=self.scheduler, trainer_state=state,
-                                         keep=self.cfg.train.keep_checkpoints)  # under torchrun: rank 0 writes
+                                         scheduler=self.scheduler, trainer_state=state, keep=self.cfg.train.keep_checkpoints)
 
     def _restore(self) -> None:
         path, st = restore(self.run_dir, self.model, self.optimizer, self.scheduler, self.dist)
