@@ -2,7 +2,8 @@
 
     dppo train [--preset NAME] [--config FILE] [--run-dir DIR] [--resume DIR] [--no-hf] [--section.field VALUE ...]
     torchrun --nproc_per_node N -m dppo.cli train --run-dir DIR ...   (multi-process: see dppo/train/distributed.py)
-    dppo eval  [--run-dir DIR | --preset NAME | --config FILE] [--section.field VALUE ...]
+    dppo eval  [--run-dir DIR | --preset NAME | --config FILE] [--samples N] [--k 1,4,8] [--step N | --all-steps]
+               [--section.field VALUE ...]
     dppo export RUN_DIR [--step N] OUT [--merged]
     dppo plot  RUN_DIR [RUN_DIR ...] [--out FILE]
     dppo presets
@@ -43,14 +44,14 @@ from dppo.envs import make_environment
 from dppo.run_files.checkpoint import CheckpointError, load_checkpoint, load_latest
 from dppo.run_files.export import export_model
 from dppo.runtime.noise import quiet_third_party
-from dppo.run_files.run_dir import RunDirError, checkpoint_path, complete_checkpoints, guard, write_atomic
+from dppo.run_files.run_dir import JsonlWriter, RunDirError, checkpoint_path, complete_checkpoints, guard, write_atomic
 from dppo.studies.agent_sft import agent_sft, save_model
 from dppo.studies.diagnose.cli import cmd_diagnose as diagnose_command
 from dppo.studies.sanity import cmd_sanity as sanity_command
 from dppo.train.build import build_model, build_task, check_environment
 from dppo.train.config import Config, ConfigError, replace
 from dppo.train.distributed import DistributedError, world_from_env
-from dppo.train.evaluation import evaluate_checkpoint, load_checkpoint_weights
+from dppo.train.evaluation import evaluate_checkpoints, load_checkpoint_weights
 from dppo.train.plot import plot_runs
 from dppo.train.presets import PRESETS, get_preset
 from dppo.train.trainer import Trainer
@@ -178,17 +179,58 @@ def _export_final(run_dir: Path, checkpoint: Path, step: int) -> Path:
                              f"free space, then write its model with: dppo export {run_dir} --step {step} {out}")
 
 
+def _eval_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """`dppo eval`'s own flags (the rest are config flags): --samples, --k, --step, --all-steps, checked."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--samples", type=int, default=None)
+    p.add_argument("--k", default=None)
+    p.add_argument("--step", type=int, default=None)
+    p.add_argument("--all-steps", dest="all_steps", action="store_true")
+    try:
+        ns, rest = p.parse_known_args(argv)
+    except SystemExit:
+        raise ConfigError("--samples/--k/--step: expected --samples N, --k K[,K...], --step N (integers)") from None
+    if ns.k is not None:
+        try:
+            ns.k = sorted({int(k) for k in ns.k.split(",") if k.strip()})
+        except ValueError:
+            raise ConfigError(f"--k: expected comma-separated integers such as 1,4,8, got {ns.k!r}") from None
+        if not ns.k or ns.k[0] < 1:
+            raise ConfigError(f"--k: expected integers >= 1, got {ns.k}")
+    if ns.samples is not None and ns.samples < 1:
+        raise ConfigError(f"--samples: expected >= 1, got {ns.samples}")
+    if ns.k and ns.samples is not None and ns.k[-1] > ns.samples:
+        raise ConfigError(f"--k: {ns.k[-1]} is more than --samples {ns.samples} (pass@k and maj@k need k <= samples)")
+    if ns.k and ns.samples is None:
+        ns.samples = ns.k[-1]
+    if ns.step is not None and ns.all_steps:
+        raise ConfigError("--step: give either --step N or --all-steps, not both")
+    return ns, rest
+
+
 def cmd_eval(argv: list[str]) -> int:
-    """Evaluate a run's newest checkpoint (--run-dir) or the configured base model on the task's held-out split."""
+    """Evaluate a run's newest checkpoint, the one of --step, or every one (--all-steps), or the configured base
+    model, on the task's held-out split: pass@1, pass@k and maj@k over --samples responses per prompt. Results from a
+    run are appended to its eval.jsonl (marked "by": "dppo eval"); each is printed as one JSON line."""
+    own, argv = _eval_args(argv)
     ns0, _ = _split_args(argv, resume=False)
     from_run = ns0.run_dir and (Path(ns0.run_dir) / "config.yaml").is_file()
+    if (own.step is not None or own.all_steps) and not from_run:
+        raise ConfigError("--step: evaluating a checkpoint needs --run-dir DIR (a run directory with config.yaml)")
     if from_run:
         cfg, _, _ = parse_config(["--config", str(Path(ns0.run_dir) / "config.yaml"), *_drop_run_dir(argv)], prog="dppo eval", resume=False)
     else:
         cfg, _, _ = parse_config(argv, prog="dppo eval", resume=False)
-
-    result = evaluate_checkpoint(cfg, Path(ns0.run_dir) if from_run else None)
-    print(json.dumps(result))
+    run_dir = Path(ns0.run_dir) if from_run else None
+    results = evaluate_checkpoints(cfg, run_dir, step=own.step, every=own.all_steps, samples=own.samples, ks=own.k)
+    if run_dir is not None:
+        log = JsonlWriter(run_dir, run_dir / "eval.jsonl")
+        try:
+            log.write_lines([{**r, "by": "dppo eval"} for r in results])
+        finally:
+            log.close()
+    for r in results:
+        print(json.dumps(r))
     return 0
 
 

@@ -19,7 +19,10 @@ Shapes: B sequences, T response tokens, K+1 cells (µ's top-K, then the sampled 
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -27,8 +30,8 @@ from torch import Tensor
 
 from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
 
-__all__ = ["MAXIMA", "MU_BUCKETS", "NAMES", "SEQUENCE_WEIGHTS", "WEIGHTS", "from_sums", "loss_terms", "pass_at_k",
-           "pass_at_k_values",
+__all__ = ["MAXIMA", "MU_BUCKETS", "NAMES", "SEQUENCE_WEIGHTS", "WEIGHTS", "from_sums", "loss_terms", "maj_at_k",
+           "pass_at_k", "pass_at_k_values",
            "masked_mu_histogram", "masked_mu_shares", "masked_shares",
            "merge", "mismatch_split", "mismatch_stats", "per_group_sums", "ratio_stats", "to_sums", "token_mean", "token_mismatch"]
 
@@ -288,3 +291,37 @@ def pass_at_k_values(n: int) -> list[int]:
     """The k an evaluation with n samples per problem reports: the powers of two below n, and n."""
     return sorted({2 ** j for j in range(n.bit_length()) if 2 ** j < n} | {n})
 
+
+
+def _majority_correct(votes: Sequence[tuple[str | None, float]]) -> float:
+    """Whether the most frequent answer of `votes` ((answer, correct) pairs; answer None = no vote) is correct: the
+    mean correctness of the samples that gave it, averaged over tied answers (a uniform tie-break); 0 with no vote."""
+    counts = Counter(a for a, _ in votes if a is not None)
+    if not counts:
+        return 0.0
+    top = max(counts.values())
+    winners = [a for a, c in counts.items() if c == top]
+    return sum(sum(c for a2, c in votes if a2 == a) / top for a in winners) / len(winners)
+
+
+def maj_at_k(votes: Sequence[Sequence[tuple[str | None, float]]], k: int, *, max_subsets: int = 2000,
+             draws: int = 2000, seed: int = 0) -> list[float]:
+    """maj@k per problem: the expected correctness of a majority vote over k of its n samples drawn without
+    replacement, every k-subset equally likely. `votes[p]`: problem p's n (answer, correct) pairs, answer the
+    sample's canonical answer (`dppo.rewards.votes`; None = no vote) and correct in [0, 1]; the majority answer's
+    correctness is that of the samples that gave it, ties broken uniformly (`_majority_correct`), no vote at all = 0.
+    Exact (every k-subset) when there are at most `max_subsets` of them, else the mean over `draws` uniform
+    k-subsets from a generator seeded with `seed` (standard error <= 0.5 / sqrt(draws) per problem). k = n is the
+    plain majority of all samples."""
+    out = []
+    for p, pairs in enumerate(votes):
+        n = len(pairs)
+        if not 1 <= k <= n:
+            raise ValueError(f"k: expected 1 <= k <= n = {n} (samples of problem {p}), got {k}")
+        if math.comb(n, k) <= max_subsets:
+            subsets = list(itertools.combinations(pairs, k))
+        else:
+            rng = random.Random(seed * 1_000_003 + p)
+            subsets = [rng.sample(list(pairs), k) for _ in range(draws)]
+        out.append(sum(_majority_correct(s) for s in subsets) / len(subsets))
+    return out

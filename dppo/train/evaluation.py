@@ -1,23 +1,27 @@
-"""Evaluation on held-out questions (sampled pass@1, mean reward) through the run's episodes, the same path as
+"""Evaluation on held-out questions (sampled pass@1, pass@k and maj@k, mean reward) through the run's episodes, the same path as
 training (single answers and multi-turn episodes alike), and the decoded responses of a batch. Used by the trainer,
 `dppo eval` and the studies.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from dppo.metrics import pass_at_k, pass_at_k_values
+from dppo.metrics import maj_at_k, pass_at_k, pass_at_k_values
+from dppo.rewards.votes import VoteRule, episode_text, vote_rule
 from dppo.rollout.base import SamplingParams
 from dppo.rollout.episodes import engine_prompts, episode_rewards, episode_success  # (engine_prompts: re-exported for the studies)
 from dppo.rollout.source import EngineSource
 from dppo.rollout.spec import build_engine as engine_from_spec
 from dppo.train.batch import RolloutBatch, collate
 from dppo.train.build import build_episodes, build_model, build_task, engine_spec
-from dppo.run_files.checkpoint import load_full_state, load_latest
+from dppo.run_files.checkpoint import load_checkpoint, load_full_state, load_latest
+from dppo.run_files.run_dir import checkpoint_path, complete_checkpoints
 from dppo.train.config import Config
 from dppo.train.distributed import Dist
 from dppo.train.weights import engine_state, trainable_state
@@ -43,12 +47,19 @@ def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
-def evaluate(source, examples, params: SamplingParams, *, pad_id: int) -> dict[str, float]:
+def evaluate(source, examples, params: SamplingParams, *, pad_id: int, ks: Sequence[int] | None = None,
+             vote: VoteRule | None = None) -> dict[str, float]:
     """params.n sampled episodes per example from `source` (a `RolloutSource`: they come back scored): pass@1
-    (the share that succeeded: `episode_success`, the environment's verdict or reward >= 1), with n > 1 the unbiased
-    pass@k for k = 2, 4, ... and n (`dppo.metrics.pass_at_k`), and the mean reward over all of them, and for multi-turn episodes the mean turns and tool calls."""
+    (the share that succeeded: `episode_success`, the environment's verdict or reward >= 1), the unbiased pass@k
+    (`dppo.metrics.pass_at_k`) for each k > 1 of `ks` (None: 2, 4, ... and n), with `vote` (a sample's answer:
+    `dppo.rewards.votes`) maj@k for each k of `ks` (`dppo.metrics.maj_at_k`), the mean reward over all of them, and
+    for multi-turn episodes the mean turns and tool calls. n = examples x params.n samples."""
     if not examples:
         raise ValueError("examples: the evaluation set is empty")
+    ks = pass_at_k_values(params.n) if ks is None else sorted(set(ks))
+    bad = [k for k in ks if not 1 <= k <= params.n]
+    if bad:
+        raise ValueError(f"k: {bad[0]} is not in [1, samples per prompt = {params.n}]")
     rollouts = source.generate(list(examples), params)
     rewards, _ = episode_rewards(rollouts)
     success = episode_success(rollouts, rewards)
@@ -58,37 +69,89 @@ def evaluate(source, examples, params: SamplingParams, *, pad_id: int) -> dict[s
              if f"episode/{k}_mean" in stats}  # (multi-turn environments report them)
     correct = torch.bincount(torch.tensor([r.prompt_index for r in rollouts]), weights=success.double(),
                              minlength=len(examples))  # successes per example, of its params.n samples
-    pass_k = {f"pass@{k}": float(pass_at_k(correct, params.n, k).mean()) for k in pass_at_k_values(params.n) if k > 1}
+    pass_k = {f"pass@{k}": float(pass_at_k(correct, params.n, k).mean()) for k in ks if k > 1}
+    if vote is not None:
+        votes: list[list] = [[] for _ in examples]
+        for r, ok in zip(rollouts, success.tolist()):
+            text = episode_text(r.episode.completion, r.episode.messages)
+            votes[r.prompt_index].append((vote(text, examples[r.prompt_index]), float(ok)))
+        pass_k.update({f"maj@{k}": sum(m) / len(m) for k in ks
+                       for m in [maj_at_k(votes, k, seed=params.seed or 0)]})
     return {"pass@1": float(success.float().mean()), **pass_k, "reward_mean": float(rewards.mean()),
-            "n": len(examples) * params.n, "temperature": params.temperature,
+            "n": len(examples) * params.n, "samples_per_prompt": params.n, "temperature": params.temperature,
             "response_length": float(batch.response_lengths.float().mean()), **extra}
 
 
-def evaluate_checkpoint(cfg: Config, run_dir: Path | None) -> dict[str, float]:
-    """Evaluate the base model of `cfg`, or the newest checkpoint of `run_dir`, on the task's held-out split."""
+def _step_of(folder: Path) -> int:
+    return int(folder.name.split("_")[1])
+
+
+def _checkpoints(run_dir: Path, step: int | None, every: bool) -> list[Path]:
+    """The checkpoint folders to evaluate: every complete one (`every`), the one of `step`, or the newest."""
+    found = complete_checkpoints(run_dir)
+    if not found:
+        raise ValueError(f"--run-dir: no complete checkpoint under {run_dir / 'checkpoints'}")
+    if every:
+        return found
+    if step is None:
+        newest = load_latest(run_dir)  # a corrupt newest one is reported and the previous one taken
+        if newest is None:
+            raise ValueError(f"--run-dir: no checkpoint under {run_dir / 'checkpoints'} loads")
+        return [newest[0]]
+    chosen = [p for p in found if p == checkpoint_path(run_dir, step)]
+    if not chosen:
+        steps = ", ".join(str(_step_of(p)) for p in found)
+        raise ValueError(f"--step: run {run_dir} has no complete checkpoint of step {step} (it has: {steps})")
+    return chosen
+
+
+def evaluate_checkpoints(cfg: Config, run_dir: Path | None, *, step: int | None = None, every: bool = False,
+                         samples: int | None = None, ks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Evaluate on the task's held-out split the base model of `cfg` (run_dir None), or a checkpoint of `run_dir`:
+    the newest, that of `step`, or every complete one (`every`, oldest first: a curve), with `samples` responses
+    per prompt (None: train.eval_samples_per_prompt), pass@k and maj@k for `ks` (None: `evaluate`'s). One result
+    per model, each with its "source" and "step" (0 for the base model); one engine is built and given each
+    checkpoint's weights in turn."""
     task = build_task(cfg)
     if not task.eval:
         raise ValueError(f"task.eval_size: {cfg.task.name!r} has no held-out questions to evaluate (eval_size "
                          f"{cfg.task.eval_size}); give eval_size > 0 (a file task: eval_path or eval_fraction > 0)")
-    model, tokenizer, path = build_model(cfg, Path(cfg.log.run_dir or "."))
-    origin = "base model"
-    if run_dir is not None:
-        found = load_latest(run_dir)
-        if found is None:
-            raise ValueError(f"--run-dir: no complete checkpoint under {run_dir / 'checkpoints'}")
-        origin, ckpt = str(found[0]), found[1]
-        load_checkpoint_weights(model, ckpt["weights"], found[0], flag="--run-dir")
-    source = EngineSource(engine_from_spec(engine_spec(cfg)), None, weights=engine_state(model), version=0,
-                          start_position=0, episodes=build_episodes(cfg, task))
+    n = cfg.train.eval_samples_per_prompt if samples is None else samples
+    if n < 1:
+        raise ValueError(f"--samples: expected >= 1, got {n}")
+    folders = [] if run_dir is None else _checkpoints(run_dir, step, every)
+    model, tokenizer, _ = build_model(cfg, Path(cfg.log.run_dir or "."))
+    temp = cfg.train.eval_temperature or cfg.rollout.temperature
+    eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
+    params = SamplingParams(n=n, temperature=temp, max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=eos,
+                            seed=cfg.train.seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    vote = vote_rule(task.reward)  # (the task's reward, or task.reward's override)
+    source = None
     try:
-        temp = cfg.train.eval_temperature or cfg.rollout.temperature
-        eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
-        params = SamplingParams(n=cfg.train.eval_samples_per_prompt, temperature=temp, max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=eos,
-                                seed=cfg.train.seed)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return {"source": origin, "task": cfg.task.name, **evaluate(source, list(task.eval), params, pad_id=pad)}
+        results = []
+        for folder in folders or [None]:
+            origin, at = "base model", 0
+            if folder is not None:
+                ckpt = load_checkpoint(folder)
+                load_checkpoint_weights(model, ckpt["weights"], folder, flag="--run-dir")
+                origin, at = str(folder), _step_of(folder)
+            if source is None:
+                source = EngineSource(engine_from_spec(engine_spec(cfg)), None, weights=engine_state(model), version=at,
+                                      start_position=0, episodes=build_episodes(cfg, task))
+            else:
+                source.publish(at, engine_state(model))
+            result = evaluate(source, list(task.eval), params, pad_id=pad, ks=ks, vote=vote)
+            results.append({"source": origin, "task": cfg.task.name, "step": at, **result})
+        return results
     finally:
-        source.close()
+        if source is not None:
+            source.close()
 
 
-__all__ = ["decode_responses", "engine_prompts", "evaluate", "evaluate_checkpoint", "load_checkpoint_weights"]
+def evaluate_checkpoint(cfg: Config, run_dir: Path | None, **kwargs: Any) -> dict[str, Any]:
+    """`evaluate_checkpoints` of one model: the base model, or the newest checkpoint of `run_dir` (or `step=N`'s)."""
+    return evaluate_checkpoints(cfg, run_dir, every=False, **kwargs)[0]
+
+
+__all__ = ["decode_responses", "engine_prompts", "evaluate", "evaluate_checkpoint", "evaluate_checkpoints", "load_checkpoint_weights"]

@@ -1,4 +1,5 @@
-"""PNG curves of one or more runs (reward, masked fraction, mismatch, entropy, response length), overlaid."""
+"""PNG curves of one or more runs (reward, masked fraction, mismatch, entropy, response length, held-out pass@1),
+overlaid, and pass@k / maj@k per checkpoint from the rows `dppo eval --all-steps` appends to eval.jsonl."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ PANELS = (
     ("policy/entropy", "entropy"),
     ("response/length_mean", "response length"),
     ("eval/pass@1", "held-out pass@1"),
+    ("eval/pass@k", "pass@k (solid), maj@k (dashed) per checkpoint"),
 )
 
 
@@ -36,20 +38,42 @@ def read_eval(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def checkpoint_curves(evals: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """"pass@k" / "maj@k" -> [(step, value)] by step, from the rows of `dppo eval` ("by": "dppo eval"); a step
+    evaluated twice keeps its last row."""
+    by_step = {e["step"]: e for e in evals if e.get("by") == "dppo eval"}
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for step in sorted(by_step):
+        for key, value in by_step[step].items():
+            if key.startswith(("pass@", "maj@")) and isinstance(value, (int, float)):
+                curves.setdefault(key, []).append((step, value))
+    return dict(sorted(curves.items(), key=lambda kv: (kv[0][:4], int(kv[0].split("@")[1]))))
+
+
 def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8))
     labels = labels or [Path(d).name for d in run_dirs]
     for run_dir, label in zip(run_dirs, labels):
         rows = read_metrics(run_dir)
         evals = read_eval(run_dir)
         for ax, (key, title) in zip(axes.flat, PANELS):
+            if key == "eval/pass@k":
+                for name, curve in checkpoint_curves(evals).items():
+                    ax.plot(*zip(*curve), "--" if name.startswith("maj") else "-", marker="o", ms=3,
+                            label=f"{label} {name}")
+                ax.set_title(title)
+                ax.set_xlabel("step")
+                ax.grid(alpha=0.3)
+                if ax.get_lines():
+                    ax.legend(fontsize=7)
+                continue
             if key == "eval/pass@1":
-                pts = [(e["step"], e["pass@1"]) for e in evals]
+                pts = [(e["step"], e["pass@1"]) for e in evals if "by" not in e]
             else:
                 pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if pts:
@@ -58,6 +82,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] 
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
+    axes.flat[len(PANELS)].axis("off")
     return save_figure(fig, out)
 
 
