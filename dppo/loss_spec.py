@@ -23,7 +23,7 @@ from dppo._checks import check_choice
 from dppo.sequence_mask import SEQUENCE_MASKS, SEQUENCE_SIDES, SEQUENCE_UNITS
 from dppo.trust_region import TRUST_REGIONS, TrustRegion, all_params, check_param, region_params
 
-__all__ = ["AGGREGATIONS", "ANCHORS", "DRPO_DELTA", "LOSS_KINDS", "SEQUENCE_DELTAS", "LossSpec", "loss_spec"]
+__all__ = ["AGGREGATIONS", "ANCHORS", "DRPO_DELTA", "IS_WEIGHTS", "LOSS_KINDS", "SEQUENCE_DELTAS", "LossSpec", "loss_spec"]
 
 LOSS_KINDS = ("masked_is", "drpo")
 """The names `loss` accepts (the keys of `dppo.losses.LOSSES`)."""
@@ -31,9 +31,19 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-
 ANCHORS = ("rollout", "recompute")
 DRPO_DELTA = 0.15
 """DRPO's δ in the penalty |Â|/(2δ)·µ·(r−1)² when unset."""
-SEQUENCE_DELTAS = {"none": math.inf, "max_divergence": 0.2, "mean_k3": 0.1, "mean_k1": 0.05}
+SEQUENCE_DELTAS = {"none": math.inf, "max_divergence": 0.2, "mean_k3": 0.1, "mean_k1": 0.05, "geometric": 0.01}
 """The default sequence_delta per sequence mask: max_divergence and mean_k3 tuned on seed 0 of the lag-4 study of
-docs/paper.md (grids 0.2/0.35/0.5 and 0.02/0.05/0.1); mean_k1 not tuned; "none" drops nothing (δ = ∞)."""
+docs/paper.md (grids 0.2/0.35/0.5 and 0.02/0.05/0.1); mean_k1 not tuned; geometric SkyRL's [0.99, 1.01]; "none"
+drops nothing (δ = ∞)."""
+IS_WEIGHTS = ("policy", "decoupled", "anchor", "sequence")
+"""The importance weight w_t of ℓ_t = −keep_t · sg(w_t) · Â_t · log π(a_t) (`dppo.losses`), C = is_cap:
+- "policy":    min(π/µ, C), DPPO's (Eq. 23): one ratio to the rollout policy (verl's bypass-mode token TIS);
+- "decoupled": min(π_old/µ, C) · π/π_old, the rollout-correction token TIS of verl (`rollout_is="token"`), TRL
+               (`vllm_importance_sampling_mode="token_truncate"`), SkyRL and slime: the truncated π_old/µ times the PPO
+               ratio (needs the recompute anchor: π_old);
+- "anchor":    min(π/anchor, C), the PPO ratio alone (no rollout correction under the recompute anchor: verl's and
+               SkyRL's masks without rollout_is);
+- "sequence":  min(s_u, C), s_u = exp(mean_{t∈u} log(π/anchor)) of the token's response or turn (GSPO)."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +59,9 @@ class LossSpec:
     anchor: str
     """The mask's anchor: "rollout" (µ) or "recompute" (π_old); the importance weight is π/µ either way."""
     is_cap: float
-    """C in min(π/µ, C); inf = uncapped."""
+    """C in min(π/µ, C) (in the cap of `is_weight`); inf = uncapped."""
+    is_weight: str
+    """The importance weight's form, a name in `IS_WEIGHTS` (the region's own, else "policy", when unset)."""
     aggregation: str
     """A name in `AGGREGATIONS`."""
     sequence_mask: str
@@ -98,7 +110,8 @@ def _sequence_delta(sequence_mask: str, sequence_delta: float | None) -> float:
 
 
 def loss_spec(*, loss: str = "masked_is", trust_region: str = "dppo_binary_tv", anchor: str = "rollout",
-              is_cap: float = 10.0, aggregation: str = "seq-mean-token-sum-norm", sequence_mask: str = "none",
+              is_cap: float = 10.0, is_weight: str | None = None, aggregation: str = "seq-mean-token-sum-norm",
+              sequence_mask: str = "none",
               sequence_delta: float | None = None, sequence_unit: str = "response", sequence_sides: str = "both",
               drpo_delta: float | None = None, **region: Any) -> LossSpec:
     """The resolved, checked `LossSpec` of these settings (module docstring); `region`: the trust regions' own
@@ -115,14 +128,20 @@ def loss_spec(*, loss: str = "masked_is", trust_region: str = "dppo_binary_tv", 
     if not (_number(drpo_delta) and drpo_delta > 0):
         raise ValueError(f"drpo_delta: expected a number > 0, got {drpo_delta!r}")
     params = _region(trust_region, region)
+    is_weight = (TRUST_REGIONS[trust_region].weight or "policy") if is_weight is None else is_weight
+    check_choice("is_weight", is_weight, IS_WEIGHTS)
+    if is_weight == "decoupled" and anchor != "recompute":
+        raise ValueError("is_weight: 'decoupled' weighs by the truncated π_old/µ, which needs π_old: set anchor='recompute'")
     check_choice("sequence_mask", sequence_mask, SEQUENCE_MASKS)
     check_choice("sequence_unit", sequence_unit, SEQUENCE_UNITS)
     check_choice("sequence_sides", sequence_sides, SEQUENCE_SIDES)
     sequence_delta = _sequence_delta(sequence_mask, sequence_delta)
     if loss == "drpo" and anchor != "rollout":
         raise ValueError("anchor: drpo has no mask, so only the 'rollout' anchor applies")
+    if loss == "drpo" and is_weight != "policy":
+        raise ValueError("is_weight: drpo has its own ratio term; only 'policy' applies")
     if loss == "drpo" and sequence_mask != "none":
         raise ValueError("sequence_mask: drpo has no mask to combine a sequence mask with; use sequence_mask='none'")
     return LossSpec(loss=loss, trust_region=trust_region, params=MappingProxyType(params), anchor=anchor,
-                    is_cap=is_cap, aggregation=aggregation, sequence_mask=sequence_mask, sequence_delta=sequence_delta,
+                    is_cap=is_cap, is_weight=is_weight, aggregation=aggregation, sequence_mask=sequence_mask, sequence_delta=sequence_delta,
                     sequence_unit=sequence_unit, sequence_sides=sequence_sides, drpo_delta=drpo_delta)

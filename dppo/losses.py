@@ -2,9 +2,11 @@
 
 Eq. 23, per token:  ℓ_t = − keep_t · sg(min(r_t, C)) · Â_t · log π(a_t|s_t),
 so ∇ℓ_t = − keep_t · min(r_t, C) · Â_t · ∇log π(a_t|s_t), with r_t = exp(clamp(log π − log µ, max=20))
-(the importance weight is always π/µ, µ = the rollout policy; only the trust-region mask may be anchored
+(by default the importance weight is π/µ, µ = the rollout policy; only the trust-region mask may be anchored
 elsewhere) and keep_t from `dppo.trust_region.TRUST_REGIONS`. PG-IS, CISPO/PG-TIS, GRPO clip, MiniRL and
-every DPPO variant are this one function with a different mask, anchor and cap.
+every DPPO variant are this one function with a different mask, anchor and cap. The field's rollout corrections
+replace min(r_t, C) by another weight (`dppo.loss_spec.IS_WEIGHTS`: verl's/TRL's decoupled token TIS
+min(π_old/µ, C)·π/π_old, the bare PPO ratio, GSPO's sequence ratio), always detached and multiplying ∇log π.
 
 Aggregation modes (spec §6), over a [B, T] per-token loss and `response_mask`:
 - "token-mean":              Σ_{b,t} ℓ / (number of active tokens)
@@ -43,8 +45,8 @@ from torch import Tensor
 from dppo._checks import check_choice, check_positive, check_same, check_tensor
 from dppo.divergence import binary_kl, binary_tv
 from dppo.loss_spec import AGGREGATIONS, ANCHORS, SEQUENCE_DELTAS, LossSpec, loss_spec
-from dppo.sequence_mask import sequence_keep, unit_shares
-from dppo.trust_region import TRUST_REGIONS
+from dppo.sequence_mask import sequence_keep, unit_index, unit_shares
+from dppo.trust_region import MAX_SEQ_LOG_RATIO, TRUST_REGIONS, sequence_log_ratio
 
 __all__ = ["AGGREGATIONS", "ANCHORS", "LOSSES", "SEQUENCE_DELTAS", "LossSpec", "TokenInputs", "aggregate",
            "aggregation_denominator", "batch_stat_values", "batch_statistics", "drpo_loss", "loss_spec", "policy_loss"]
@@ -250,16 +252,19 @@ def policy_loss(
     dtype = _compute_dtype(logp)
     with torch.no_grad():
         logp_d = logp.detach().to(dtype)
-        log_ratio = (logp_d - rollout_logp.detach().to(dtype)).clamp(max=MAX_LOG_RATIO)
+        rollout_d = rollout_logp.detach().to(dtype)
+        log_ratio = (logp_d - rollout_d).clamp(max=MAX_LOG_RATIO)
         ratio = log_ratio.exp()
-        weight = ratio.clamp(max=is_cap) if math.isfinite(is_cap) else ratio
         adv_c = adv.detach().to(dtype)
         anchor_d = anchor_logp.to(dtype)
+        units = _units(spec, inputs, mask) if spec.is_weight == "sequence" or "units" in spec.region.reads else None
+        weight = _weight(spec, ratio, logp_d, rollout_d, anchor_d, mask, units)
         keyword = _region_inputs(spec, inputs, logp_d, anchor_d, mask)
+        keyword.update(_region_reads(spec, rollout_d, anchor_d, units))
         keep = spec.region.fn(logp_d, anchor_d, adv_c, mask, divergence, **keyword, **spec.params)
         seq_stats = {}
         if spec.sequence_mask != "none":
-            seq_keep, seq_stats = _sequence_keep(spec, inputs, logp_d, anchor_d, adv_c, mask)
+            seq_keep, seq_stats = _sequence_keep(spec, inputs, logp_d, anchor_d, adv_c, mask, rollout_d)
             keep = keep & seq_keep
         coef = keep.to(dtype) * weight * adv_c
         if divergence is not None and spec.region.needs_topk:
@@ -273,10 +278,43 @@ def policy_loss(
     return loss, {**_metrics(mask, keep, adv_c, ratio, is_cap), **seq_stats}
 
 
+def _units(spec: LossSpec, inputs: TokenInputs, mask: Tensor) -> tuple[Tensor, int]:
+    """(unit index [B, T], unit count): responses, or turns with sequence_unit "turn" (`unit_index`)."""
+    turns = inputs.turn_index if spec.sequence_unit == "turn" else None
+    return unit_index(mask, turns, inputs.n_turns if turns is not None else None)
+
+
+def _weight(spec: LossSpec, ratio: Tensor, logp: Tensor, rollout_logp: Tensor, anchor_logp: Tensor, mask: Tensor,
+            units: tuple[Tensor, int] | None) -> Tensor:
+    """The detached importance weight w_t of `spec.is_weight` (`dppo.loss_spec.IS_WEIGHTS`), C = spec.is_cap."""
+    cap = spec.is_cap
+    if spec.is_weight == "policy":
+        w = ratio
+    elif spec.is_weight == "decoupled":  # min(π_old/µ, C) · π/π_old (anchor = π_old)
+        roll = (anchor_logp - rollout_logp).clamp(max=MAX_LOG_RATIO).exp()
+        return (roll.clamp(max=cap) if math.isfinite(cap) else roll) * (logp - anchor_logp).clamp(max=MAX_LOG_RATIO).exp()
+    elif spec.is_weight == "anchor":
+        w = (logp - anchor_logp).clamp(max=MAX_LOG_RATIO).exp()
+    else:  # sequence: GSPO's s_u
+        w = sequence_log_ratio(logp, anchor_logp, mask, units).clamp(max=MAX_SEQ_LOG_RATIO).exp()
+    return w.clamp(max=cap) if math.isfinite(cap) else w
+
+
+def _region_reads(spec: LossSpec, rollout_logp: Tensor, anchor_logp: Tensor,
+                  units: tuple[Tensor, int] | None) -> dict[str, object]:
+    """What the region's mask takes from the loss itself (`TrustRegion.reads`)."""
+    have = {"rollout_logp": rollout_logp, "old_logp": anchor_logp if spec.anchor == "recompute" else None,
+            "units": units}
+    return {name: have[name] for name in spec.region.reads}
+
+
 def _sequence_keep(spec: LossSpec, inputs: TokenInputs, logp: Tensor, anchor_logp: Tensor, adv: Tensor,
-                   mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """The sequence mask's keep [B, T] and what it removed (`unit_shares`, keys prefixed "seq_")."""
+                   mask: Tensor, rollout_logp: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The sequence mask's keep [B, T] and what it removed (`unit_shares`, keys prefixed "seq_"). The geometric mask
+    reads the rollout correction π_old/µ (π/µ under the rollout anchor), the others π against the mask's anchor."""
     units = inputs.turn_index if spec.sequence_unit == "turn" else None
+    if spec.sequence_mask == "geometric":
+        logp, anchor_logp = (anchor_logp if spec.anchor == "recompute" else logp), rollout_logp
     seq_keep, _ = sequence_keep(logp, anchor_logp, adv, mask, statistic=spec.sequence_mask,
                                 delta=spec.sequence_delta, sides=spec.sequence_sides, turn_index=units,
                                 n_turns=inputs.n_turns,

@@ -12,8 +12,15 @@ index). Per unit u with active tokens t ∈ u, a = the anchor (µ, or π_old for
 - `max_divergence`: S_u = max_{t∈u} D_t, D_t a per-token divergence estimate (the caller's `divergence`; Binary-TV
   |a(a_t) − π(a_t)| when None);
 - `mean_k3`:        S_u = mean_{t∈u} [(r_t − 1) − log r_t]  (Schulman's k3 estimate of KL(a‖π), ≥ 0);
-- `mean_k1`:        S_u = mean_{t∈u} [log a(a_t) − log π(a_t)]  (the k1 estimate of KL(a‖π); can be negative).
-keep_t = 0 for every token of u iff S_u > δ and (sides = "both", or sides = "negative" and Â_u < 0). A unit's
+- `mean_k1`:        S_u = mean_{t∈u} [log a(a_t) − log π(a_t)]  (the k1 estimate of KL(a‖π); can be negative);
+- `geometric`:      S_u = exp(mean_{t∈u} log q_t), the geometric mean of the unit's rollout-correction ratios
+                    q_t = π_old/µ (π/µ under the rollout anchor; the loss passes them as logp/anchor_logp), dropped
+                    when outside [1 − δ, 1 + δ] (two-sided; SkyRL's geometric sequence mask, `geo_mask_low/high`
+                    0.99 / 1.01 = δ 0.01: `skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py`
+                    L220-236; verl's `rollout_rs="seq_mean_k1"` geo_rs presets, 0.999_1.001 = δ 0.001, on the log
+                    of the same mean: `verl/trainer/ppo/rollout_corr_helper.py` L235-236, L301-308).
+keep_t = 0 for every token of u iff S_u > δ (geometric: |S_u − 1| > δ) and (sides = "both", or sides = "negative"
+and Â_u < 0). A unit's
 advantage sign is that of its tokens (one advantage per response). Tensors in, tensors out, detached; a NaN
 statistic never masks (comparisons are False) — the token-level loss turns NaN inputs into a NaN loss anyway.
 
@@ -31,7 +38,7 @@ from dppo.divergence import binary_tv
 
 __all__ = ["SEQUENCE_MASKS", "SEQUENCE_SIDES", "SEQUENCE_UNITS", "sequence_keep", "unit_index", "unit_shares"]
 
-SEQUENCE_MASKS = ("none", "max_divergence", "mean_k3", "mean_k1")
+SEQUENCE_MASKS = ("none", "max_divergence", "mean_k3", "mean_k1", "geometric")
 """The names `loss.sequence_mask` accepts ("none" = no sequence mask)."""
 SEQUENCE_SIDES = ("both", "negative")
 SEQUENCE_UNITS = ("response", "turn")
@@ -114,9 +121,11 @@ def sequence_keep(
     elif statistic == "mean_k3":
         log_r = (logp - anchor_logp).clamp(max=MAX_LOG_RATIO)
         stat = _per_unit(torch.expm1(log_r) - log_r, mask, index, n_units, "mean")
+    elif statistic == "geometric":
+        stat = _per_unit(logp - anchor_logp, mask, index, n_units, "mean").clamp(max=MAX_LOG_RATIO).exp()
     else:  # mean_k1
         stat = _per_unit(anchor_logp - logp, mask, index, n_units, "mean")
-    drop = stat > delta
+    drop = ((stat > 1.0 + delta) | (stat < 1.0 - delta)) if statistic == "geometric" else stat > delta
     if sides == "negative":
         drop &= adv < 0
     return ~drop, torch.where(mask, stat, torch.zeros_like(stat))

@@ -18,13 +18,19 @@ is defined on ("binary_tv", "binary_kl", "topk_tv", "topk_kl" or None); `needs_t
 record µ's top-K; `inputs` names the extra per-token tensors the mask takes by keyword ("staleness": each token's
 measured version lag τ_t, in training steps); `batch_stats` names the statistics of the whole optimiser batch the
 mask takes by keyword (SAT's "sat_threshold": the tail quantile), which `dppo.losses.batch_statistics` computes once
-per optimiser batch so that the mask does not depend on the micro-batch split. Adding a trust region is one function
+per optimiser batch so that the mask does not depend on the micro-batch split; `reads` names what the mask takes from
+the loss itself by keyword ("rollout_logp": log µ; "old_logp": the recomputed log π_old, None under the rollout
+anchor; "units": each token's unit index [B, T] and the unit count, responses or turns by `loss.sequence_unit`), which
+no caller supplies; `weight` is the importance weight the region is defined with (`dppo.loss_spec.IS_WEIGHTS`; None
+= the loss's default min(π/µ, C)); `masks_toward` says the mask may drop a token that moves back toward the anchor
+(two-sided or sequence-level masks), which the shared property test then does not ask of it. Adding a trust region is one function
 and one entry here (`pg_is_neg_mask`, the paper's Fig. 5 mask, was added that way); the shared tests are
 parametrised over this dict.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -48,6 +54,8 @@ __all__ = [
     "dppo_stale_kl",
     "dppo_sat_tv",
     "dppo_sat_kl",
+    "token_mis",
+    "gspo",
     "region_params",
     "region_inputs",
     "BatchStat",
@@ -234,6 +242,62 @@ def dppo_sat_kl(logp, anchor_logp, adv, response_mask, divergence, *, delta_low:
                      sat_quantile, sat_shrink, sat_threshold)
 
 
+@torch.no_grad()
+def token_mis(logp, anchor_logp, adv, response_mask, divergence, *, rollout_logp: Tensor, old_logp: Tensor | None,
+              mis_low: float, mis_high: float, eps_low: float, eps_high: float) -> Tensor:
+    """Token-level masked importance sampling (IcePop): the PPO clip on r = π/anchor (ε = inf: none) and a two-sided
+    mask on the rollout correction q_t = π_old(a_t)/µ(a_t), whatever the advantage's sign: masked iff q_t < mis_low
+    or q_t > mis_high. π_old is the recomputed pre-update policy (`old_logp`, the recompute anchor: verl's decoupled
+    mode) or, under the rollout anchor, the current π (verl's bypass mode, where π_old := µ and q = π/µ).
+
+    Sources (the bounds on π_old/µ, both inclusive): verl `verl/trainer/ppo/rollout_corr_helper.py` L221-222, L271-275
+    (`rollout_rs="token_k1"`, bounds "lower_upper" on log(µ/π_old): symmetric bounds as here; a 0/1 mask replacing
+    response_mask); SkyRL `skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py` L170-179
+    (`token_mask_is_threshold_low/high`, a 0/1 mask, the docs' IcePop 0.5 / 2.0); TRL `trl/trainer/grpo_trainer.py`
+    1.16 L2660-2704 and slime `slime/backends/megatron_utils/loss.py` L908-931 (`icepop_function`) keep the weight
+    q_t inside the bounds and 0 outside, which is this mask with `loss.is_weight` "decoupled"."""
+    num = logp if old_logp is None else old_logp
+    log_q = num - rollout_logp
+    in_bounds = (log_q >= math.log(mis_low)) & (log_q <= math.log(mis_high))
+    return in_bounds & ppo_clip(logp, anchor_logp, adv, response_mask, divergence, eps_low=eps_low, eps_high=eps_high)
+
+
+def sequence_log_ratio(logp: Tensor, anchor_logp: Tensor, response_mask: Tensor, units: tuple[Tensor, int]) -> Tensor:
+    """mean_{t ∈ u} (log π − log anchor) of each token's unit u, [B, T] (0 for a unit without an active token):
+    GSPO's log s_u, the log of the geometric mean of the unit's ratios. `units` = (index [B, T], count) as
+    `dppo.sequence_mask.unit_index` gives them."""
+    index, n = units
+    mask = response_mask.bool().reshape(-1)
+    diff = torch.where(mask, (logp - anchor_logp).reshape(-1), torch.zeros((), dtype=logp.dtype, device=logp.device))
+    flat = index.reshape(-1)
+    total = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add(0, flat, diff)
+    count = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add(0, flat, mask.to(logp.dtype))
+    return (total / count.clamp(min=1))[index]
+
+
+@torch.no_grad()
+def gspo(logp, anchor_logp, adv, response_mask, divergence, *, units: tuple[Tensor, int], eps_low: float,
+         eps_high: float) -> Tensor:
+    """GSPO's sequence-level clip (arXiv 2507.18071): s_u = exp(mean_{t∈u} log(π/anchor)) per response (or turn,
+    `units`); every token of u is masked iff (Â > 0 and s_u > 1 + ε_high) or (Â < 0 and s_u < 1 − ε_low). With the
+    region's weight "sequence" (w_t = sg(s_u)) and aggregation seq-mean-token-mean, the gradient is GSPO's:
+    −keep_u · s_u · Â_u · mean_{t∈u} ∇log π(a_t).
+
+    Sources: TRL `trl/trainer/grpo_trainer.py` 1.16 L3083-3095, L3113-3120 (`importance_sampling_level="sequence"`,
+    coef_1 = exp(masked mean of log π − log π_old), −min(coef_1 Â, clip(coef_1) Â), `loss_type="grpo"`, ε 3e-4 /
+    4e-4 in its GSPO recipe); verl `verl/trainer/ppo/core_algos.py` L1286-1313 (`compute_policy_loss_gspo`,
+    s_{i,t} = sg(s_i) π_t / sg(π_t), log clamped at 10, seq-mean-token-mean). The anchor is µ (verl's bypass mode) or
+    the recomputed π_old (the sources' own)."""
+    log_s = sequence_log_ratio(logp, anchor_logp, response_mask, units).clamp(max=MAX_SEQ_LOG_RATIO)
+    s = log_s.exp()
+    masked = ((adv > 0) & (s > 1.0 + eps_high)) | ((adv < 0) & (s < 1.0 - eps_low))
+    return ~masked
+
+
+MAX_SEQ_LOG_RATIO = 10.0
+"""Clamp of log s_u (verl's `compute_policy_loss_gspo`), so an extreme unit cannot overflow."""
+
+
 class Param(NamedTuple):
     """One scalar parameter of a trust region: its default (None = must be given), the check its value must
     pass (`expect` says what it expects, for the error message) and its help text (the CLI's `--loss.NAME`)."""
@@ -257,14 +321,15 @@ def _unit(doc: str, default: float) -> Param:
 
 
 _DELTA_DOC = "DPPO/CPPO divergence threshold where Â {} 0 (default per region: 0.15 for TV, 0.05 for KL)."
-_EPS_DOC = "Ratio-clip ε where Â {} 0 (PPO regions; default {})."
+_EPS_DOC = "Ratio-clip ε where Â {} 0 (ppo_clip, ppo_clip_relax, token_mis: default {}; gspo, on the sequence ratio: {})."
 
 
 def _dppo(delta: float) -> dict[str, Param]:
     return {"delta_low": _gt0(_DELTA_DOC.format("<"), delta), "delta_high": _gt0(_DELTA_DOC.format(">"), delta)}
 
 
-_CLIP = {"eps_low": _gt0(_EPS_DOC.format("<", 0.2), 0.2), "eps_high": _gt0(_EPS_DOC.format(">", "0.28, clip-higher"), 0.28)}
+_CLIP = {"eps_low": _gt0(_EPS_DOC.format("<", 0.2, 3e-4), 0.2),
+         "eps_high": _gt0(_EPS_DOC.format(">", "0.28, clip-higher", 4e-4), 0.28)}
 
 
 _STALE_ALPHA = Param(0.5, "dppo_stale_*: α of δ(τ) = δ / (1 + α τ), τ = the token's version lag in steps.",
@@ -308,6 +373,17 @@ class TrustRegion(NamedTuple):
     optimiser batch over all its active tokens and passed to every micro-batch (`dppo.losses.batch_statistics`), so
     the mask does not depend on how the batch is split."""
 
+    reads: tuple[str, ...] = ()
+    """What the mask takes from the loss itself by keyword (no caller supplies it): "rollout_logp" (log µ [B, T]),
+    "old_logp" (log π_old [B, T] under the recompute anchor, else None), "units" ((index [B, T], count): responses,
+    or turns with loss.sequence_unit "turn")."""
+    weight: str | None = None
+    """The importance weight the region is defined with (`dppo.loss_spec.IS_WEIGHTS`), used when `loss.is_weight` is
+    unset; None = "policy", min(π/µ, C)."""
+    masks_toward: bool = False
+    """True when the mask may drop a token that moves back toward the anchor (a two-sided bound, a sequence-level
+    clip): every other region never does."""
+
     @property
     def defaults(self) -> dict[str, Any]:
         """Each parameter's default (None = must be given)."""
@@ -343,6 +419,15 @@ TRUST_REGIONS: dict[str, TrustRegion] = {
                                  inputs=("staleness",)),
     "dppo_sat_tv": TrustRegion(dppo_sat_tv, {**_dppo(0.15), **_SAT}, "binary_tv", batch_stats=_SAT_STATS),
     "dppo_sat_kl": TrustRegion(dppo_sat_kl, {**_dppo(0.05), **_SAT}, "binary_kl", batch_stats=_SAT_STATS),
+    "token_mis": TrustRegion(token_mis, {
+        "mis_low": _gt0("token_mis (IcePop): mask a token whose π_old/µ is below this (π/µ under the rollout anchor).", 0.5),
+        "mis_high": _gt0("token_mis (IcePop): mask a token whose π_old/µ is above this.", 2.0),
+        **_CLIP,
+    }, None, reads=("rollout_logp", "old_logp"), masks_toward=True),
+    "gspo": TrustRegion(gspo, {
+        "eps_low": _CLIP["eps_low"]._replace(default=3e-4),
+        "eps_high": _CLIP["eps_high"]._replace(default=4e-4),
+    }, None, reads=("units",), weight="sequence", masks_toward=True),
 }
 
 DEFAULT_TOP_K = 20

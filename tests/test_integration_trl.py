@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.fil
 G = 4  # generations per prompt
 NON_DEFAULT = {"delta_low": 0.5, "delta_high": 0.9, "eps_low": 0.5, "eps_high": 1.0, "relax_alpha": 0.05,
                "relax_side": "high", "cppo_w_min": 0.7, "cppo_delta_b_min": 0.03, "cppo_q": 0.8, "cppo_k": 1.5,
-               "neg_delta": 0.1, "sat_quantile": 0.7, "sat_shrink": 0.3, "stale_alpha": 4.0}
+               "neg_delta": 0.1, "sat_quantile": 0.7, "sat_shrink": 0.3, "stale_alpha": 4.0, "mis_low": 0.4,
+               "mis_high": 2.5}
 """A value other than the registry's default for every trust-region parameter, given to both the config and the
 reference, so that a parameter lost on its way from the config to the mask changes the loss."""
 CONFIG_NAME = {"eps_low": "epsilon", "eps_high": "epsilon_high"}  # the ratio-clip ε are TRL's own fields

@@ -204,6 +204,9 @@ def test_filter_and_off_policy_mask_match_trl_in_every_region(make_trainer, regi
             _, stats = policy_loss(logp, mu, adv, mask, loss_spec(trust_region=region, aggregation="token-mean",
                                                                   **trainer._spec.params), TokenInputs(staleness=stale))
         weight = (logp - mu).clamp(max=20).exp().clamp(max=trainer.args.is_cap)
+        if trainer._spec.is_weight == "sequence":  # GSPO: s_u over the response's tokens, whatever the filters keep
+            log_s = ((logp - mu) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+            weight = log_s.clamp(max=10).exp().expand_as(logp).clamp(max=trainer.args.is_cap)
         keep = (stats["keep"] & entropy_keep & sequence_keep & mask).float()
     ref = -(keep * weight * adv[:, None] * logp).sum() / out["num_items_in_batch"]
     ref.backward()

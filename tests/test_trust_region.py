@@ -16,6 +16,7 @@ from torch.testing import assert_close
 
 from dppo.divergence import binary_kl, topk_kl, topk_tv
 from dppo.losses import AGGREGATIONS, TokenInputs, loss_spec, policy_loss
+from dppo.sequence_mask import unit_index
 from dppo.trust_region import TRUST_REGIONS, cppo, dppo_binary_kl, dppo_binary_tv, dppo_topk_tv, ppo_clip, ppo_clip_relax
 
 F64 = torch.float64
@@ -88,12 +89,21 @@ def inputs_for(name: str, batch: dict) -> dict:
     return {k: batch.get(k, STALENESS) for k in TRUST_REGIONS[name].inputs}
 
 
+def reads_for(name: str, batch: dict, mask=None) -> dict:
+    """What a region takes from the loss itself (`TrustRegion.reads`), as `policy_loss` gives it under the rollout
+    anchor: µ's log-probs, no π_old, one unit per response."""
+    mask = batch["mask"] if mask is None else mask
+    have = {"rollout_logp": batch["rollout_logp"], "old_logp": None, "units": unit_index(mask)}
+    return {k: have[k] for k in TRUST_REGIONS[name].reads}
+
+
 def call_region(name: str, batch: dict, logp=None, anchor=None):
     logp = batch["logp"] if logp is None else logp
     anchor = batch["rollout_logp"] if anchor is None else anchor
     adv = batch["adv"][:, None].expand_as(logp)
     return TRUST_REGIONS[name].fn(logp, anchor, adv, batch["mask"], divergence_for(name, batch),
-                                  **{k: v.expand_as(logp) for k, v in inputs_for(name, batch).items()}, **region_params(name))
+                                  **{k: v.expand_as(logp) for k, v in inputs_for(name, batch).items()},
+                                  **reads_for(name, batch), **region_params(name))
 
 
 batch_args = dict(seed=st.integers(0, 2**31 - 1), spread=st.sampled_from([0.1, 0.5, 1.5, 4.0]))
@@ -113,7 +123,7 @@ def test_keep_is_bool_shaped_and_detached(name):
     assert not keep.requires_grad and keep.grad_fn is None
 
 
-@pytest.mark.parametrize("name", REGIONS)
+@pytest.mark.parametrize("name", [n for n in REGIONS if not TRUST_REGIONS[n].masks_toward])
 @PROPS
 @given(**batch_args)
 def test_never_masks_a_move_back_toward_the_anchor(name, seed, spread):
@@ -125,18 +135,21 @@ def test_never_masks_a_move_back_toward_the_anchor(name, seed, spread):
 
 @pytest.mark.parametrize("name", [n for n in REGIONS if n != "none"])
 def test_region_masks_a_large_move_away(name):
-    # Non-vacuity of the shared tests: every real trust region keeps µ = 0.3 -> π = 0.301 (Â > 0), and
+    # Non-vacuity of the shared tests: every real trust region keeps µ = 0.3 -> π = 0.30003 (Â > 0; r − 1 = 1e-4,
+    # inside even GSPO's ε of 4e-4), and
     # masks µ = 0.3 -> π = 0.95 with Â > 0 and µ = 0.7 -> π = 0.05 with Â < 0.
-    mu, pi = torch.tensor([[0.3, 0.3, 0.7]], dtype=F64), torch.tensor([[0.301, 0.95, 0.05]], dtype=F64)
+    # Each token is a one-token response, so sequence-level regions (GSPO) decide on it alone.
+    mu, pi = torch.tensor([[0.3], [0.3], [0.7]], dtype=F64), torch.tensor([[0.30003], [0.95], [0.05]], dtype=F64)
     batch = dict(logp=pi.log(), rollout_logp=mu.log(), adv=torch.tensor([1.0, 1.0, -1.0], dtype=F64),
-                 mask=torch.ones(1, 3, dtype=torch.bool))
+                 mask=torch.ones(3, 1, dtype=torch.bool))
     batch["topk_tv"] = (mu - pi).abs()  # a two-cell partition: TV = |µ − π|
     batch["topk_kl"] = binary_kl(pi.log(), mu.log())
-    adv = batch["adv"][None, :]
+    adv = batch["adv"][:, None]
     keep = TRUST_REGIONS[name].fn(pi.log(), mu.log(), adv, batch["mask"], divergence_for(name, batch),
-                                  **{k: v.expand_as(adv) for k, v in inputs_for(name, batch).items()}, **region_params(name))
+                                  **{k: v.expand_as(adv) for k, v in inputs_for(name, batch).items()},
+                                  **reads_for(name, batch), **region_params(name))
     negatives_only = name == "pg_is_neg_mask"  # Fig. 5's mask leaves positive samples alone by design
-    assert keep.tolist() == [[True, negatives_only, False]]
+    assert keep.tolist() == [[True], [negatives_only], [False]]
 
 
 def test_pg_is_neg_mask_by_hand():
@@ -149,6 +162,21 @@ def test_pg_is_neg_mask_by_hand():
     assert fn(pi.log(), mu.log(), adv, mask, None, neg_delta=0.5).tolist() == [[False, True, True, True]]
     assert fn(pi.log(), mu.log(), adv, mask, None, neg_delta=0.3).tolist() == [[False, False, True, True]]
     assert TRUST_REGIONS["pg_is_neg_mask"].defaults == {"neg_delta": 0.5}
+
+
+def reference_weight(kind: str, logp, rollout_logp, anchor_logp, mask) -> torch.Tensor:
+    """The uncapped importance weight of `kind` (dppo.loss_spec.IS_WEIGHTS) by hand, one token at a time and one
+    response at a time (a float64 loop, the slow reference of dppo.losses._weight)."""
+    B, T = logp.shape
+    out = torch.zeros(B, T, dtype=F64)
+    for b in range(B):
+        active = [t for t in range(T) if mask[b, t]]
+        seq = math.exp(sum(float(logp[b, t] - anchor_logp[b, t]) for t in active) / max(len(active), 1))
+        for t in range(T):
+            pi, mu, old = (math.exp(float(x[b, t])) for x in (logp, rollout_logp, anchor_logp))
+            out[b, t] = {"policy": pi / mu, "anchor": pi / old, "decoupled": (old / mu) * (pi / old),
+                         "sequence": seq}[kind]
+    return out
 
 
 def _expected_scale(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
@@ -178,8 +206,10 @@ def test_policy_gradient_is_zero_where_masked_and_weighted_where_kept(name, seed
     loss.backward()
     keep = call_region(name, batch)
     mask = batch["mask"]
-    r = torch.exp(batch["logp"] - batch["rollout_logp"])
-    expected = -torch.clamp(r, max=is_cap) * batch["adv"][:, None] * _expected_scale(mask, aggregation)
+    w = reference_weight(loss_spec(trust_region=name, **{k: v for k, v in REQUIRED.items()
+                                                          if k in TRUST_REGIONS[name].defaults}).is_weight,
+                         batch["logp"], batch["rollout_logp"], batch["rollout_logp"], mask)
+    expected = -torch.clamp(w, max=is_cap) * batch["adv"][:, None] * _expected_scale(mask, aggregation)
     expected = torch.where(keep & mask, expected, torch.zeros_like(expected))
     assert (logp.grad[~(keep & mask)] == 0).all()  # exactly zero, not merely small
     assert_close(logp.grad, expected)

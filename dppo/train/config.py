@@ -272,18 +272,23 @@ class _LossSettings:
     anchor: Literal["rollout", "recompute"] = "rollout"
     """Mask anchor: rollout µ (default, free) or the recomputed pre-update policy (extra forward pass)."""
     is_cap: float = 10.0
-    """C in min(π/µ, C); inf = uncapped."""
+    """C in min(π/µ, C) (the cap of is_weight); inf = uncapped."""
+    is_weight: Literal["policy", "decoupled", "anchor", "sequence"] | None = None
+    """The importance weight: policy min(π/µ, C) (DPPO's); decoupled min(π_old/µ, C)·π/π_old (verl/TRL/SkyRL/slime
+    token TIS; needs anchor recompute); anchor min(π/anchor, C); sequence GSPO's min(s_u, C). None = the trust
+    region's own (gspo: sequence), else policy."""
     aggregation: str = "seq-mean-token-sum-norm"
     """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
     drpo_delta: float | None = None
     """DRPO's δ in the penalty |Â|/(2δ)·µ·(r−1)² (None = 0.15)."""
-    sequence_mask: Literal["none", "max_divergence", "mean_k3", "mean_k1"] = "none"
+    sequence_mask: Literal["none", "max_divergence", "mean_k3", "mean_k1", "geometric"] = "none"
     """Also drop whole responses (or turns, see sequence_unit) whose statistic exceeds sequence_delta: max_divergence
     (largest token divergence of the trust region's estimate), mean_k3 (mean k3 estimate of KL(µ‖π)), mean_k1 (mean
-    log µ/π, DeepSeek-V3.2's off-policy mask with sequence_sides negative); composes with any trust region."""
+    log µ/π, DeepSeek-V3.2's off-policy mask with sequence_sides negative), geometric (the geometric mean of π_old/µ
+    outside [1 − δ, 1 + δ], SkyRL's; π/µ under the rollout anchor); composes with any trust region."""
     sequence_delta: float | None = None
-    """Threshold of the sequence mask (None = its default: max_divergence 0.2, mean_k3 0.1, mean_k1 0.05; inf for
-    none)."""
+    """Threshold of the sequence mask (None = its default: max_divergence 0.2, mean_k3 0.1, mean_k1 0.05, geometric
+    0.01; inf for none)."""
     sequence_unit: Literal["response", "turn"] = "response"
     """What the sequence mask drops: a whole response, or (multi-turn episodes) one turn of it."""
     sequence_sides: Literal["both", "negative"] = "both"

@@ -125,6 +125,13 @@ PRESETS: dict[str, tuple[Callable[[], Config], str]] = {
                      "DPPO-Binary-TV + drop responses whose largest token TV exceeds loss.sequence_delta"),
     "dppo-seq-k3": (_method(trust_region="dppo_binary_tv", sequence_mask="mean_k3"),
                     "DPPO-Binary-TV + drop responses whose mean k3 KL estimate exceeds loss.sequence_delta"),
+    "icepop": (_method(trust_region="token_mis"), "GRPO clip-higher + IcePop's two-sided mask on pi/mu outside [0.5, 2]"),
+    "gspo": (_method(trust_region="gspo", aggregation="seq-mean-token-mean"),
+             "GSPO: sequence ratio (geometric mean of pi/mu) with its clip 3e-4 / 4e-4, seq-mean-token-mean"),
+    "geo-mask": (_method(trust_region="ppo_clip", sequence_mask="geometric"),
+                 "GRPO clip-higher + drop responses whose geometric-mean pi/mu leaves [0.99, 1.01] (SkyRL)"),
+    "tis": (_method(trust_region="ppo_clip", anchor="recompute", is_weight="decoupled", is_cap=2.0),
+            "GRPO clip on pi/pi_old with token TIS min(pi_old/mu, 2) (verl/TRL rollout correction; recompute)"),
     "drpo": (_method(loss="drpo"), "DRPO quadratic divergence penalty, no mask (beyond the paper)"),
 }
 
