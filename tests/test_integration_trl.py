@@ -177,7 +177,8 @@ def test_the_adapters_import_nothing_from_the_trainer():
     ({"trust_region": "dppo_topk_kl", "min_p": 0.05}, "min_p"),
     ({"loss_type": "sapo"}, "loss_type"),
     ({"vllm_importance_sampling_correction": True}, "vllm_importance_sampling_correction"),
-    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+    ({"importance_sampling_level": "sequence", "trust_region": "ppo_clip"}, "importance_sampling_level"),
+    ({"importance_sampling_level": "tokens"}, "importance_sampling_level"),
     ({"delta": 3.0}, "delta"),
     ({"top_entropy_quantile": 1.5}, "top_entropy_quantile"),
     ({"use_transformers_continuous_batching": True}, "use_transformers_continuous_batching"),
@@ -440,6 +441,70 @@ def test_aggregation_mapping_matches_trl(make_trainer, loss_type, beta):
     assert 0 < dppo_clipped == pytest.approx(trl_clipped)  # the same tokens clipped, and some are
     for name in trl_grads:
         torch.testing.assert_close(dppo_grads[name], trl_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@needs_trl
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_sequence_level_is_gspo_and_matches_trl(make_trainer, loss_type, tmp_path):
+    """importance_sampling_level="sequence" selects GSPO (trust_region 'gspo', TRL's epsilon / epsilon_high as its clip
+    range): with C = ∞ and π_old := µ, DPPOTrainer's gradient equals TRL's own GRPOTrainer's sequence-level importance
+    sampling, per loss_type; some sequences are clipped and some are not."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from dppo.integrations.trl import DPPOConfig
+
+    plain = dict(output_dir=str(tmp_path / "c"), use_cpu=True, bf16=False, report_to="none")
+    assert DPPOConfig(importance_sampling_level="sequence", **plain).trust_region == "gspo"
+    assert DPPOConfig(trust_region="gspo", **plain).importance_sampling_level == "sequence"
+    results, batch = [], None
+    for trainer_cls, config_cls, extra in ((None, None, {"is_cap": math.inf}), (GRPOTrainer, GRPOConfig, {})):
+        trainer = make_trainer(trainer_cls=trainer_cls, config_cls=config_cls, loss_type=loss_type, epsilon=0.02,
+                               epsilon_high=0.03, importance_sampling_level="sequence", **extra)
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        if batch is None:
+            out, _ = synthetic_batch(trainer, K=0, noise=0.05)
+            out["old_per_token_logps"] = out["sampling_per_token_logps"]
+            batch = out
+        trainer._compute_loss(trainer.model, dict(batch)).backward()
+        results.append((grads(trainer.model), trainer._metrics["train"]["clip_ratio/region_mean"][-1]))
+    (dppo_grads, dppo_clipped), (trl_grads, trl_clipped) = results
+    # (TRL's clip_ratio is a share of sequences at the sequence level, DPPOTrainer's stays a share of tokens)
+    assert 0 < trl_clipped < 1 and 0 < dppo_clipped < 1
+    for name in trl_grads:
+        torch.testing.assert_close(dppo_grads[name], trl_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@needs_trl
+def test_overridden_generate_works_on_a_trainer_built_without_init():
+    """TRL's own tests build a trainer with object.__new__ and set only what GRPOTrainer's `_generate` reads (its
+    rollout dispatch tests): DPPOTrainer's override must not read state only its __init__ sets."""
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    from dppo.integrations.trl import DPPOTrainer
+
+    trainer = object.__new__(DPPOTrainer)
+    trainer.accelerator = SimpleNamespace(device=torch.device("cpu"), is_main_process=True, gather=lambda t: t)
+    trainer.args = SimpleNamespace(report_to=[])
+    trainer.model = SimpleNamespace(training=True)
+    trainer.state = SimpleNamespace(global_step=2, num_input_tokens_seen=0)
+    trainer._last_loaded_step, trainer.use_vllm, trainer.use_transformers_continuous_batching = 1, False, False
+    trainer.processing_class = SimpleNamespace(batch_decode=MagicMock(return_value=["decoded"]))
+    trainer._tokenizer = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    trainer.eos_token_ids = [2]  # (TRL 1.16's metrics read it; its tests' snapshot predates that)
+    trainer.tools = None
+    trainer._metrics = {"train": {k: [] for k in ("num_tokens", "completions/mean_length", "completions/min_length",
+                                                  "completions/max_length", "completions/clipped_ratio",
+                                                  "completions/mean_terminated_length",
+                                                  "completions/min_terminated_length",
+                                                  "completions/max_terminated_length")}}
+    trainer.rollout_func = MagicMock(return_value={"prompt_ids": [[1]], "completion_ids": [[2]]})
+    with pytest.raises(ValueError, match="rollout_func must return keys"):
+        trainer._generate(["prompt"])
+    trainer.rollout_func = MagicMock(return_value={"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": [[-0.1]]})
+    out = trainer._generate(["prompt"])
+    assert out[0] == [[1]] and out[1] == [[2]]
 
 
 # --------------------------------------------------------------------------------------------------- runs

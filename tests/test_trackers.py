@@ -24,6 +24,7 @@ import os
 import socket
 import struct
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -104,13 +105,26 @@ def _wandb_records(path: Path):
             yield record
 
 
-def _wandb_run(wandb_dir: Path) -> tuple[dict, list[dict], Path]:
-    """(config, history rows, run folder) of the single offline run under `wandb_dir`."""
+def _wandb_run(wandb_dir: Path, wait_s: float = 60.0) -> tuple[dict, list[dict], Path]:
+    """(config, history rows, run folder) of the single offline run under `wandb_dir`. wandb's service process writes
+    the run file after `finish()` has returned (seen in CI under load: a file without its records yet), so the file
+    is read again until its exit record is there, for up to `wait_s`."""
     folders = glob.glob(str(wandb_dir / "wandb" / "offline-run-*"))
     assert len(folders) == 1, folders
     (path,) = Path(folders[0]).glob("run-*.wandb")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            records = list(_wandb_records(path))
+        except Exception:  # noqa: BLE001 - a record still being written does not parse yet
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert "exit" in kinds and "run" in kinds, f"{path}: records {kinds}"
     config, history = {}, []
-    for record in _wandb_records(path):
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             config = {item.key: json.loads(item.value_json) for item in record.run.config.update}

@@ -38,7 +38,6 @@ _EPS_FIELDS = {"eps_low": "epsilon", "eps_high": "epsilon_high"}
 _UNSUPPORTED = {  # GRPOConfig field -> (the value DPPO needs, why)
     "vllm_importance_sampling_correction": (False, "DPPO's importance weight π/µ already corrects for the engine "
                                                    "mismatch; TRL's would multiply a second ratio into the loss"),
-    "importance_sampling_level": ("token", "the trust region and the importance weight are per token"),
     "delta": (None, "TRL's two-sided ratio cap; DPPO caps the importance weight with is_cap"),
     "use_transformers_continuous_batching": (False, "that generation path returns no sampling log-probs (µ)"),
 }
@@ -185,8 +184,31 @@ DPPOConfig = dataclasses.make_dataclass(
         "the field, raised at construction. `loss_type` picks the aggregation (`LOSS_TYPE_AGGREGATION`).")})
 
 
+SEQUENCE_LEVEL_REGIONS = ("gspo",)
+"""The trust regions defined on a sequence ratio: what `importance_sampling_level="sequence"` selects (GSPO)."""
+
+
+def _sequence_level(cfg) -> None:
+    """`importance_sampling_level="sequence"` is GSPO: trust_region 'gspo' (the sequence ratio s = exp(mean log π/µ),
+    its clip with TRL's `epsilon` / `epsilon_high`, the weight sg(s)), set when trust_region is left at its default;
+    a per-token region with it is refused. trust_region 'gspo' sets the level to "sequence" (TRL's own warnings about
+    a token-summed loss_type then apply)."""
+    level = cfg.importance_sampling_level
+    if level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level: expected 'token' or 'sequence', got {level!r}")
+    if level == "sequence" and cfg.trust_region not in SEQUENCE_LEVEL_REGIONS:
+        if cfg.trust_region != _DEFAULT.trust_region:
+            raise ValueError(f"importance_sampling_level: 'sequence' is GSPO (trust_region='gspo', the sequence ratio "
+                             f"and its clip); trust region {cfg.trust_region!r} is per token: leave "
+                             f"importance_sampling_level='token' for it")
+        cfg.trust_region = "gspo"
+    if cfg.trust_region in SEQUENCE_LEVEL_REGIONS:
+        cfg.importance_sampling_level = "sequence"
+
+
 def _check_dppo(cfg) -> None:
     """DPPOConfig's checks; ValueError naming the field."""
+    _sequence_level(cfg)
     for name, (needed, why) in _UNSUPPORTED.items():
         if getattr(cfg, name) != needed:
             raise ValueError(f"{name}: DPPOConfig needs {needed!r} ({why}), got {getattr(cfg, name)!r}")

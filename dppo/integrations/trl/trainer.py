@@ -48,6 +48,11 @@ class DPPOTrainer(GRPOTrainer):
     needs `rollout_func=dppo_rollout_func("vllm")`.
     """
 
+    # State the overridden methods read, at a neutral value before __init__ sets it: TRL's own tests build trainers
+    # with object.__new__ and set only what GRPOTrainer's methods read (no top-K capture, nothing pending).
+    _k = 0
+    _turn_cells: TurnCells | None = None
+    _pending_topk_ids = _pending_cells = None
     _tag_names = ["trl", "grpo", "dppo"]
     _name = "DPPO"
     _paper = {"title": "Rethinking the Trust Region in LLM Reinforcement Learning", "id": "2602.04879",
