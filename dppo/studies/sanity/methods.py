@@ -4,7 +4,8 @@ A method is a preset name of `dppo.train.presets` (`SANITY_METHODS`), optionally
 `dppo-binary-tv:delta=0.1` (`delta` sets δ_low and δ_high, `eps` sets ε_low and ε_high, any other `LossConfig`
 field by name), or a group name from `METHOD_GROUPS` (all = the 9 methods of Fig. 3; key = the 6 of the mismatch
 study; relax = the relax-α ablation of §6 beside its base; delta = the δ sweep of F.4; fig5 = PG-IS with only the
-negative-sample mask, §5.3; stale = the trust regions for stale data beside five baselines). All methods get the same lr, batch and steps; only the `loss` section differs, taken
+negative-sample mask, §5.3; stale = the trust regions for stale data beside five baselines; baselines = IcePop, GSPO,
+the geometric mask and decoupled TIS beside the same five). All methods get the same lr, batch and steps; only the `loss` section differs, taken
 from the method presets.
 
 A mismatch source (`parse_mismatch`) sets the rollout side of a study: none (the no-mismatch control), bf16, fp8,
@@ -30,6 +31,9 @@ STALE_METHOD_NAMES = ("dppo-stale-tv", "dppo-sat-tv", "dppo-seq-max", "dppo-seq-
 """The trust regions for stale data (`--methods stale`, beside the baselines): staleness-adaptive δ(τ), the SAT-like
 tail contraction, and DPPO-Binary-TV with a sequence mask (largest token TV; mean k3)."""
 """Fig. 5 (§5.3): PG-IS with only the negative-sample mask (`--methods fig5`: δ 0.5 and 0.8, at µ and at π_old)."""
+BASELINE_METHOD_NAMES = ("icepop", "gspo", "geo-mask", "tis")
+"""The field's mismatch corrections (`--methods baselines`, beside DPPO-Binary-TV/KL and the paper's baselines): token
+MIS / IcePop, GSPO, the geometric sequence mask, decoupled token TIS."""
 METHOD_GROUPS: dict[str, tuple[str, ...]] = {
     "all": SANITY_METHOD_NAMES,
     "key": ("pg-is", "cispo", "grpo-clip-higher", "minirl", "dppo-binary-tv", "dppo-binary-kl"),
@@ -37,6 +41,7 @@ METHOD_GROUPS: dict[str, tuple[str, ...]] = {
     "delta": ("dppo-binary-tv:delta=0.1", "dppo-binary-tv", "dppo-binary-tv:delta=0.2",
               "dppo-binary-kl", "dppo-binary-kl:delta=0.1", "dppo-binary-kl:delta=0.15"),
     "stale": ("pg-is", "cispo", "minirl", "dppo-binary-tv", "dppo-binary-kl") + STALE_METHOD_NAMES,
+    "baselines": ("pg-is", "cispo", "minirl", "dppo-binary-tv", "dppo-binary-kl") + BASELINE_METHOD_NAMES,
     "fig5": ("pg-is", "pg-is-neg-mask", "pg-is-neg-mask:neg_delta=0.8", "pg-is-neg-mask:anchor=recompute",
              "pg-is-neg-mask:neg_delta=0.8:anchor=recompute"),
 }
@@ -58,7 +63,7 @@ def _loss_overrides(preset: str) -> dict[str, Any]:
 
 SANITY_METHODS: dict[str, dict[str, Any]] = {name: _loss_overrides(name)
                                              for name in SANITY_METHOD_NAMES + RELAX_METHOD_NAMES + FIG5_METHOD_NAMES
-                                             + STALE_METHOD_NAMES}
+                                             + STALE_METHOD_NAMES + BASELINE_METHOD_NAMES}
 """Method name -> `loss` section overrides (from `dppo.train.presets`). Top-K methods record µ's top-20 (the registry's
 `needs_topk`, resolved by `Config.top_k_logprobs`)."""
 
