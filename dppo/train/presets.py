@@ -41,6 +41,7 @@ def paper_sanity() -> Config:
     16 prompts × 8 responses, 4 mini-batches per rollout batch, bf16 engine vs fp32 trainer."""
     return replace(
         demo(),
+        model={"precision": "fp32"},  # the fp32 trainer on every CPU (auto would pick bf16 autocast where native)
         rollout={"prompts_per_step": 16, "group_size": 8},
         train={"steps": 40, "mini_batches": 4, "eval_every": 10},
     )
