@@ -87,6 +87,7 @@ def test_eval_command_evaluates_each_checkpoint_with_pass_and_maj_at_k(tmp_path,
                  "--train.no-eval-before", "--log.no-progress", "--log.no-tensorboard"]) == 0
     capsys.readouterr()
     trainer_rows = read_eval(run)
+    assert trainer_rows and all("maj@1" in r and "by" not in r for r in trainer_rows)  # the trainer's own eval votes too
     assert main(["eval", "--run-dir", str(run), "--all-steps", "--k", "1,2"]) == 0
     out = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [r["step"] for r in out] == [1, 2] and [r["source"][-11:] for r in out] == ["step_000001", "step_000002"]

@@ -290,7 +290,7 @@ class Dist:
         every = [r for r in self.gather_objects(result) if r is not None]
         n = sum(r["n"] for r in every)
         out = dict(every[0])
-        for key in [k for k in out if k.startswith("pass@")] + ["reward_mean", "response_length"]:
+        for key in [k for k in out if k.startswith(("pass@", "maj@"))] + ["reward_mean", "response_length"]:
             if key in out:
                 out[key] = sum(r[key] * r["n"] for r in every) / n
         out["n"] = n

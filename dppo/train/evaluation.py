@@ -154,4 +154,5 @@ def evaluate_checkpoint(cfg: Config, run_dir: Path | None, **kwargs: Any) -> dic
     return evaluate_checkpoints(cfg, run_dir, every=False, **kwargs)[0]
 
 
-__all__ = ["decode_responses", "engine_prompts", "evaluate", "evaluate_checkpoint", "evaluate_checkpoints", "load_checkpoint_weights"]
+__all__ = ["decode_responses", "engine_prompts", "evaluate", "evaluate_checkpoint", "evaluate_checkpoints", "load_checkpoint_weights",
+           "vote_rule"]

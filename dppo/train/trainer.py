@@ -39,7 +39,7 @@ from dppo.train.build import (announce_rollout, build_episodes, build_model, bui
                               check_environment, check_rollout, resolution_notes, resolve_config, resolve_device)
 from dppo.train.config import Config
 from dppo.train.distributed import init_from_env
-from dppo.train.evaluation import evaluate
+from dppo.train.evaluation import evaluate, vote_rule
 from dppo.train.optim import GuardedOptimizer
 from dppo.train.prompts import PromptSampler
 from dppo.train.resume import restore
@@ -299,13 +299,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval and checkpoints
     def evaluate(self, examples=None, *, temperature: float | None = None) -> dict[str, float]:
-        """Sampled pass@1 and mean reward on held-out examples (one response each)."""
+        """Sampled pass@1 (pass@k and maj@k with several responses each) and mean reward on held-out examples."""
         examples = self.eval_examples if examples is None else examples
         temp = temperature or self.cfg.train.eval_temperature or self.cfg.rollout.temperature
         params = self._sampling_params(10_000_000 + self.step_idx, n=self.cfg.train.eval_samples_per_prompt,
                                        temperature=temp, top_k_logprobs=0)
         return self.dist.evaluate(  # each rank evaluates its share of the examples
-            lambda share: evaluate(self.source, share, params, pad_id=self.pad_id), examples)
+            lambda share: evaluate(self.source, share, params, pad_id=self.pad_id, vote=vote_rule(self.task.reward)), examples)
 
     def evaluate_and_log(self) -> dict[str, float]:
         result = self.evaluate()
