@@ -27,6 +27,7 @@ import contextlib
 import torch
 
 from dppo.runtime.hardware import cpu_name
+from dppo.studies.diagnose.mismatch import pair_stats
 
 from common import emit, teacher_forced_setup, teacher_logprobs  # benchmarks/ is on sys.path when run as a script
 
@@ -51,12 +52,10 @@ def trainer_logprobs(model, ids, attention, autocast, *, rows_per_batch: int) ->
 
 
 def measure(pi_logp, mu_logp, targets, mask) -> dict:
-    pi_a = pi_logp.gather(-1, targets[..., None]).squeeze(-1)[mask]
-    mu_a = mu_logp.gather(-1, targets[..., None]).squeeze(-1)[mask]
-    ratio = (pi_a - mu_a).exp()
-    tv = (pi_a.exp() - mu_a.exp()).abs()
-    return {"out_0.9_1.1": ((ratio < 0.9) | (ratio > 1.1)).float().mean().item(),
-            "binary_tv_mean": tv.mean().item(), "tv_over_delta": (tv > DELTA).float().mean().item()}
+    """`pair_stats` (the statistics `dppo diagnose --trainer-precision ...` reports) at the sampled tokens."""
+    pi_a = pi_logp.gather(-1, targets[..., None]).squeeze(-1)
+    mu_a = mu_logp.gather(-1, targets[..., None]).squeeze(-1)
+    return pair_stats(pi_a, mu_a, mask, delta=DELTA)
 
 
 def main() -> None:

@@ -167,3 +167,45 @@ def test_cmd_diagnose_prints_table(tiny_folder, tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "µ bucket" in out and "all" in out and str(tmp_path / "diagnose.json") in out
     assert cmd_diagnose(["--model", str(tiny_folder), "--task-options", "[1]"]) == 2
+
+
+def test_pair_stats_by_hand():
+    from dppo.studies.diagnose.mismatch import pair_stats
+
+    mu = torch.tensor([[0.5, 0.5, 0.5, 0.2]]).log()
+    pi = torch.tensor([[0.5, 0.56, 0.44, 0.9]]).log()  # ratios 1, 1.12, 0.88, 4.5; TV 0, .06, .06, .7 (last: padding)
+    mask = torch.tensor([[True, True, True, False]])
+    got = pair_stats(pi, mu, mask)
+    assert got["tokens"] == 3 and got["out_0.9_1.1"] == pytest.approx(2 / 3)
+    assert got["binary_tv_mean"] == pytest.approx(0.04, abs=1e-6) and got["tv_over_delta"] == 0.0
+    assert pair_stats(pi, mu, torch.ones_like(mask))["tv_over_delta"] == pytest.approx(0.25)
+
+
+def test_run_diagnose_across_precision_pairs_and_batch_shapes(tiny_folder, tmp_path, capsys):
+    """Two engine dtypes × three trainer precisions: one row per pair. The fp32 trainer against the fp32 engine
+    differs by kernel order only; bf16 autocast against the fp32 engine is far more (its matmuls round to 8 bits),
+    fp16 ~8x less; scoring one response at a time changes the fp32 trainer's log-probs by rounding only."""
+    from dppo.studies.diagnose.cli import cmd_diagnose
+    from dppo.studies.diagnose.run import run_diagnose
+
+    report = run_diagnose(str(tiny_folder), engine="hf", engine_dtype="float32,bfloat16",
+                          trainer_precision=["fp32", "bf16", "fp16"], batch_shape=True, task="addition",
+                          task_options={"digits": 1}, n_prompts=4, n=2, max_new_tokens=8, top_k=0, out_dir=tmp_path)
+    pairs = {(r["engine_dtype"], r["trainer_precision"]): r for r in report["precision_pairs"]}
+    assert list(pairs) == [(e, t) for e in ("float32", "bfloat16") for t in ("fp32", "bf16", "fp16")]
+    assert pairs[("float32", "fp32")]["binary_tv_mean"] < 1e-5
+    # bf16 keeps 3 fewer mantissa bits than fp16: ~8x the rounding (measured 8.8x here)
+    assert pairs[("float32", "bf16")]["binary_tv_mean"] > 4 * pairs[("float32", "fp16")]["binary_tv_mean"] > 0
+    assert report["config"]["trainer_precision"] == "fp32" and report["config"]["engine_dtype"] == "float32"
+    shapes = {r["trainer_precision"]: r for r in report["batch_shape"]}
+    assert set(shapes) == {"fp32", "bf16", "fp16"} and shapes["fp32"]["binary_tv_mean"] < 1e-5
+    assert all(r["tokens"] == report["num_tokens"] for r in report["precision_pairs"] + report["batch_shape"])
+    with pytest.raises(ValueError, match=r"^trainer_precision: expected one or more of fp32, bf16, fp16"):
+        run_diagnose(str(tiny_folder), engine="hf", trainer_precision="fp8", out_dir=tmp_path)
+    rc = cmd_diagnose(["--model", str(tiny_folder), "--engine", "hf", "--task", "addition", "--task-options",
+                       '{"digits": 1}', "--n-prompts", "2", "--n", "2", "--max-new-tokens", "4", "--top-k", "0",
+                       "--engine-dtype", "float32", "--trainer-precision", "fp32,bf16", "--batch-shape",
+                       "--out-dir", str(tmp_path / "cli")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "out 0.9-1.1" in out and "1 vs all" in out
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith("float32 ")] == [["float32", "fp32"], ["float32", "bf16"]]

@@ -1,11 +1,14 @@
 """`dppo diagnose`: the engine-vs-trainer mismatch report of a model (paper Fig. 2).
 
-    dppo diagnose [--model smollm2-135m] [--engine auto|hf|vllm] [--engine-dtype bfloat16] [--task chain_sum]
+    dppo diagnose [--model smollm2-135m] [--engine auto|hf|vllm] [--engine-dtype bfloat16[,float16,...]]
+                  [--trainer-precision fp32[,bf16,fp16]] [--batch-shape] [--task chain_sum]
                   [--task-options JSON] [--n-prompts 16] [--n 4] [--max-new-tokens 64] [--temperature 1.0]
                   [--top-k 20] [--seed 0] [--out-dir runs/diagnose-<timestamp>]
 
-Prints one row per µ bucket (token count, spread of r − 1, mean |π − µ|, Top-K TV, top-K coverage, masked
-fractions of PPO-clip and DPPO-Binary-TV for Â > 0 / Â < 0) and the paths of the JSON and PNGs.
+Prints one row per µ bucket of the first (engine, trainer) pair (token count, spread of r − 1, mean |π − µ|, Top-K
+TV, top-K coverage, masked fractions of PPO-clip and DPPO-Binary-TV for Â > 0 / Â < 0), then one row per precision
+pair (share of π/µ outside [0.9, 1.1], mean Binary TV, share above δ = 0.15) and with --batch-shape the same
+statistics of one-response-at-a-time scoring against batch scoring, and the paths of the JSON and PNGs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="built-in model name or local model folder")
     p.add_argument("--engine", default="auto", choices=("auto", "hf", "vllm"), help="inference engine (auto: vLLM if installed)")
-    p.add_argument("--engine-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="engine dtype (the trainer is fp32)")
+    p.add_argument("--engine-dtype", default="bfloat16", help="engine dtype(s): bfloat16, float16, float32, comma-separated")
+    p.add_argument("--trainer-precision", default="fp32", help="trainer precision(s): fp32, bf16, fp16 (autocast), comma-separated")
+    p.add_argument("--batch-shape", action="store_true", help="also score each response alone (the batch-shape effect)")
     p.add_argument("--task", default="chain_sum", help="task name (dppo.tasks.make_task)")
     p.add_argument("--task-options", default="{}", help="task options as a JSON object")
     p.add_argument("--n-prompts", type=int, default=16, help="number of prompts")
@@ -56,6 +61,18 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def format_pairs(report: dict) -> str:
+    """One line per (engine dtype, trainer precision) pair, then the batch-shape rows."""
+    lines = [f"{'engine':<10}{'trainer':>8}{'out 0.9-1.1':>13}{'binary TV':>11}{'TV>0.15':>9}"]
+    for r in report["precision_pairs"]:
+        lines.append(f"{r['engine_dtype']:<10}{r['trainer_precision']:>8}{r['out_0.9_1.1']:>13.2%}"
+                     f"{r['binary_tv_mean']:>11.2e}{r['tv_over_delta']:>9.2%}")
+    for r in report["batch_shape"]:
+        lines.append(f"{'1 vs all':<10}{r['trainer_precision']:>8}{r['out_0.9_1.1']:>13.2%}"
+                     f"{r['binary_tv_mean']:>11.2e}{r['tv_over_delta']:>9.2%}")
+    return "\n".join(lines)
+
+
 def cmd_diagnose(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -69,7 +86,8 @@ def cmd_diagnose(argv: list[str]) -> int:
     out_dir = args.out_dir or f"runs/diagnose-{_dt.datetime.now():%Y%m%d-%H%M%S}"
 
     try:
-        report = run_diagnose(args.model, engine=args.engine, engine_dtype=args.engine_dtype, task=args.task,
+        report = run_diagnose(args.model, engine=args.engine, engine_dtype=args.engine_dtype,
+                              trainer_precision=args.trainer_precision, batch_shape=args.batch_shape, task=args.task,
                               task_options=options, n_prompts=args.n_prompts, n=args.n,
                               max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               seed=args.seed, out_dir=out_dir)
@@ -77,9 +95,10 @@ def cmd_diagnose(argv: list[str]) -> int:
         print(f"error: {exc}")
         return 2
     c = report["config"]
-    print(f"{c['model']}: {c['engine']} {c['engine_dtype']} engine vs fp32 trainer, {report['num_responses']} responses, "
-          f"{report['num_tokens']} tokens (masked fractions for Â = +1 / −1)")
+    print(f"{c['model']}: {c['engine']} {c['engine_dtype']} engine vs {c['trainer_precision']} trainer, "
+          f"{report['num_responses']} responses, {report['num_tokens']} tokens (masked fractions for Â = +1 / −1)")
     print(format_table(report))
+    print(format_pairs(report))
     for name, path in report["files"].items():
         print(f"{name}: {path}")
     return 0

@@ -27,7 +27,8 @@ from dppo._checks import check_same, check_tensor
 from dppo.metrics import token_mismatch
 from dppo.trust_region import TRUST_REGIONS
 
-__all__ = ["DEFAULT_BUCKETS", "DEFAULT_TRUST_REGIONS", "METRICS", "bucket_labels", "mismatch_report", "token_metrics"]
+__all__ = ["DEFAULT_BUCKETS", "DEFAULT_TRUST_REGIONS", "METRICS", "bucket_labels", "mismatch_report", "pair_stats",
+           "token_metrics"]
 
 DEFAULT_BUCKETS: tuple[float, ...] = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 """Bucket edges in µ: log-spaced decades [1e-6, 1e-5), ..., [0.1, 1], plus [0, 1e-6) for the tail."""
@@ -211,3 +212,18 @@ def mismatch_report(
         "overall": _summary(metrics, torch.ones_like(mu, dtype=torch.bool)),
         "trust_regions": {name: {**TRUST_REGIONS[name].defaults, **o} for name, o in trust_regions.items()},
     }
+
+
+@torch.no_grad()
+def pair_stats(logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, *, delta: float = 0.15) -> dict[str, float]:
+    """How far two scorings of the same tokens are (a trainer precision against an engine's µ, or one scoring against
+    another at another batch shape), over the active tokens: the share with π(a)/µ(a) outside [0.9, 1.1] (verl #6280's
+    statistic), the mean Binary TV |π(a) − µ(a)| and the share with Binary TV > `delta` (the most DPPO-Binary-TV could
+    mask before any update), and the token count."""
+    mask = response_mask.bool()
+    pi, mu = logp.double()[mask], rollout_logp.double()[mask]
+    ratio = (pi - mu).clamp(max=20.0).exp()
+    tv = (pi.exp() - mu.exp()).abs()
+    n = max(int(mask.sum()), 1)
+    return {"out_0.9_1.1": float(((ratio < 0.9) | (ratio > 1.1)).sum()) / n, "binary_tv_mean": float(tv.sum()) / n,
+            "tv_over_delta": float((tv > delta).sum()) / n, "tokens": int(mask.sum())}

@@ -1,8 +1,11 @@
 """`run_diagnose`: measure the training–inference mismatch of a model end to end (paper Fig. 2, spec §9).
 
 Samples responses to a task's prompts with an inference engine (e.g. vLLM in bf16), recomputes log π of the
-same tokens with the trainer's model in fp32 (`dppo.train.scoring.score_responses`, µ's top-K cells included), and
-writes `mismatch_report` as `diagnose.json` plus two PNGs (`ratio_vs_tv.png`, `histograms.png`).
+same tokens with the trainer's model in fp32 or under bf16/fp16 autocast (`dppo.train.scoring.score_responses`, µ's
+top-K cells included), and writes `mismatch_report` as `diagnose.json` plus two PNGs (`ratio_vs_tv.png`,
+`histograms.png`). Across precisions (several engine dtypes and trainer precisions), every pair's `pair_stats` (the
+share of π/µ outside [0.9, 1.1], the mean Binary TV, the share above δ) and, with `batch_shape`, the effect of
+scoring the same tokens one response at a time (issue 34; verl #6280's measurement).
 
 Identical weights: when the engine runs in a lower precision than the fp32 trainer, the trainer's weights are
 first rounded to that precision (and pushed into the engine), so both hold exactly the same values and every
@@ -12,10 +15,12 @@ training step with bf16-exact weights.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +29,14 @@ import torch
 from dppo.rollout import SamplingParams, make_engine
 from dppo.runtime import models
 from dppo.runtime.hardware import resolve_engine
-from dppo.studies.diagnose.mismatch import DEFAULT_BUCKETS, mismatch_report, token_metrics
+from dppo.studies.diagnose.mismatch import DEFAULT_BUCKETS, mismatch_report, pair_stats, token_metrics
 from dppo.studies.diagnose.plots import plot_histograms, plot_ratio_vs_tv
 from dppo.tasks import TASKS, make_task
 from dppo.train.batch import collate
 from dppo.train.build import resolve_device
 from dppo.train.config import RolloutConfig
 from dppo.train.evaluation import engine_prompts
-from dppo.train.scoring import score_responses
+from dppo.train.scoring import AUTOCAST, score_responses
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,11 +76,43 @@ def _make_engine(name: str, model, tokenizer, path: Path, dtype: str, seed: int,
     return engine
 
 
+def _as_list(value: str | Sequence[str], name: str, valid) -> list[str]:
+    values = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
+    bad = [v for v in values if v not in valid]
+    if not values or bad:
+        raise ValueError(f"{name}: expected one or more of {', '.join(valid)} (comma-separated), got {value!r}")
+    return list(dict.fromkeys(values))
+
+
+def _score(trainer, batch, *, precision: str, temperature: float, pad_id: int, rows_at_once: int | None = None):
+    """π's scores of `batch` by `trainer` under `precision` (`score_batch`'s autocast: the decoder's matmuls in
+    16 bits, the lm-head and log-softmax in float32); `rows_at_once` = 1 scores each response alone."""
+    autocast = AUTOCAST[precision]
+    device = next(trainer.parameters()).device
+    context = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    B = batch.response_ids.shape[0]
+    step = rows_at_once or B
+    parts = []
+    with torch.no_grad(), context:
+        for start in range(0, B, step):
+            rows = slice(start, start + step)
+            parts.append(score_responses(trainer, batch.prompt_ids[rows], batch.response_ids[rows],
+                                         batch.response_mask[rows], temperature=temperature,
+                                         topk_ids=batch.rollout_topk_ids[rows] if batch.rollout_topk_ids is not None
+                                         else None, pad_id=pad_id))
+    if len(parts) == 1:
+        return parts[0]
+    return parts[0]._replace(**{f: torch.cat([getattr(p, f) for p in parts]) for f in parts[0]._fields
+                                if getattr(parts[0], f) is not None})
+
+
 def run_diagnose(
     model: str = "smollm2-135m",
     *,
     engine: str = "auto",
-    engine_dtype: str = "bfloat16",
+    engine_dtype: str | Sequence[str] = "bfloat16",
+    trainer_precision: str | Sequence[str] = "fp32",
+    batch_shape: bool = False,
     task: str = "chain_sum",
     task_options: Mapping[str, Any] | None = None,
     n_prompts: int = 16,
@@ -87,24 +124,30 @@ def run_diagnose(
     buckets=DEFAULT_BUCKETS,
     out_dir: str | Path,
 ) -> dict:
-    """Sample with the engine, recompute π in fp32 on the same tokens, report the mismatch by µ bucket.
+    """Sample with the engine, recompute π on the same tokens, report the mismatch by µ bucket.
 
     model: a built-in name (`dppo.runtime.models.BUILTIN_MODELS`) or a local model folder. engine: "hf", "vllm" or
-    "auto" (`dppo.runtime.hardware.resolve_engine`: vLLM when installed, except hf on a CPU in float32). engine_dtype: the engine's dtype ("bfloat16", "float16", "float32"; the
-    trainer is always float32). task / task_options: a `dppo.tasks.make_task` name and its options; the first
-    `n_prompts` training questions are used, `n` responses each. top_k: µ's top-K recorded by the engine
-    (0 = none: no Top-K metrics). Writes `out_dir/diagnose.json`, `ratio_vs_tv.png` and `histograms.png`;
-    returns the report (`mismatch_report`'s dict plus "config", "timing_s" and "files").
+    "auto" (`dppo.runtime.hardware.resolve_engine`: vLLM when installed, except hf on a CPU in float32).
+    engine_dtype: the engine's dtype ("bfloat16", "float16", "float32"), or several (a list or comma-separated);
+    trainer_precision: the trainer's ("fp32", "bf16", "fp16": float32 weights under autocast, as `dppo train`'s
+    `model.precision`), or several. Every engine dtype samples once (the trainer's weights rounded to it first, so
+    both hold the same values) and every trainer precision scores its tokens: `precision_pairs` holds `pair_stats`
+    per pair; the bucket report and the plots are those of the first pair. batch_shape: also score the first
+    engine's tokens one response at a time with each trainer precision, against the same precision's batch scoring
+    (`batch_shape`: the effect of the GEMM shapes alone). task / task_options: a `dppo.tasks.make_task` name and its
+    options; the first `n_prompts` training questions are used, `n` responses each. top_k: µ's top-K recorded by
+    the engine (0 = none: no Top-K metrics). Writes `out_dir/diagnose.json`, `ratio_vs_tv.png` and
+    `histograms.png`; returns the report (`mismatch_report`'s dict plus "config", "precision_pairs", "batch_shape",
+    "timing_s" and "files").
     """
-    if engine_dtype not in _DTYPES:
-        raise ValueError(f"engine_dtype: expected one of {', '.join(_DTYPES)}, got {engine_dtype!r}")
+    engine_dtypes = _as_list(engine_dtype, "engine_dtype", tuple(_DTYPES))
+    precisions = _as_list(trainer_precision, "trainer_precision", tuple(AUTOCAST))
     if n_prompts < 1:
         raise ValueError(f"n_prompts: expected >= 1, got {n_prompts}")
     SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens, top_k_logprobs=top_k)  # validates
-    engine_name = resolve_engine(engine, engine_dtype, resolve_device("auto")).value
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    timing: dict[str, float] = {}
+    timing: dict[str, float] = {"setup": 0.0, "generate": 0.0, "score": 0.0}
 
     t0 = time.perf_counter()
     examples = _task_examples(task, task_options or {}, n_prompts, seed)
@@ -112,27 +155,45 @@ def run_diagnose(
     tokenizer = models.load_tokenizer(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    trainer = models.load_model(path, dtype=torch.float32).to(resolve_device("auto"))
-    if engine_dtype != "float32":
-        _round_weights(trainer, _DTYPES[engine_dtype])
-    eng = _make_engine(engine_name, trainer, tokenizer, path, engine_dtype, seed, top_k)
-    timing["setup"] = time.perf_counter() - t0
-    try:
-        eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
-        params = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=eos,
-                                top_k_logprobs=top_k, seed=seed)
-        pad_id = tokenizer.pad_token_id
+    pad_id = tokenizer.pad_token_id
+    base = models.load_model(path, dtype=torch.float32).to(resolve_device("auto"))
+    timing["setup"] += time.perf_counter() - t0
+    eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
+    params = SamplingParams(n=n, temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=eos,
+                            top_k_logprobs=top_k, seed=seed)
+    pairs, shapes, first = [], [], None
+    for dtype in engine_dtypes:
+        engine_name = resolve_engine(engine, dtype, resolve_device("auto")).value
         t0 = time.perf_counter()
-        batch = collate(eng.generate(engine_prompts(examples, tokenizer), params), pad_id=pad_id)
-        timing["generate"] = time.perf_counter() - t0
-    finally:
-        eng.close()
+        trainer = copy.deepcopy(base)
+        if dtype != "float32":
+            _round_weights(trainer, _DTYPES[dtype])
+        eng = _make_engine(engine_name, trainer, tokenizer, path, dtype, seed, top_k)
+        timing["setup"] += time.perf_counter() - t0
+        try:
+            t0 = time.perf_counter()
+            batch = collate(eng.generate(engine_prompts(examples, tokenizer), params), pad_id=pad_id)
+            timing["generate"] += time.perf_counter() - t0
+        finally:
+            eng.close()
+        for precision in precisions:
+            t0 = time.perf_counter()
+            scores = _score(trainer, batch, precision=precision, temperature=temperature, pad_id=pad_id)
+            timing["score"] += time.perf_counter() - t0
+            device = scores.logp.device
+            mu, mask = batch.rollout_logp.to(device), batch.response_mask.to(device)
+            pairs.append({"engine_dtype": dtype, "trainer_precision": precision,
+                          **pair_stats(scores.logp, mu, mask)})
+            if first is None:
+                first = (engine_name, dtype, precision, batch, scores)
+            if batch_shape and dtype == engine_dtypes[0]:
+                alone = _score(trainer, batch, precision=precision, temperature=temperature, pad_id=pad_id,
+                               rows_at_once=1)
+                shapes.append({"trainer_precision": precision, "rows": "1 vs all",
+                               **pair_stats(alone.logp, scores.logp, mask)})
+        del trainer
 
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        scores = score_responses(trainer, batch.prompt_ids, batch.response_ids, batch.response_mask,
-                                 temperature=temperature, topk_ids=batch.rollout_topk_ids, pad_id=pad_id)
-    timing["score"] = time.perf_counter() - t0
+    engine_name, dtype, precision, batch, scores = first
     device = scores.logp.device
     inputs = dict(logp=scores.logp, rollout_logp=batch.rollout_logp.to(device), response_mask=batch.response_mask.to(device),
                   topk_logp=scores.topk_logp,
@@ -142,15 +203,18 @@ def run_diagnose(
     metrics = token_metrics(**inputs)
 
     files = {"json": out / "diagnose.json", "ratio_vs_tv": out / "ratio_vs_tv.png", "histograms": out / "histograms.png"}
-    title = f"{model}: {engine_name} {engine_dtype} engine vs fp32 trainer ({report['num_tokens']} tokens)"
+    title = f"{model}: {engine_name} {dtype} engine vs {precision} trainer ({report['num_tokens']} tokens)"
     plot_ratio_vs_tv(metrics, report, files["ratio_vs_tv"], title=title)
     plot_histograms(metrics, files["histograms"], title=title)
     report = {
-        "config": {"model": str(model), "engine": engine_name, "engine_dtype": engine_dtype, "trainer_dtype": "float32",
+        "config": {"model": str(model), "engine": engine_name, "engine_dtype": dtype, "trainer_dtype": "float32",
+                   "trainer_precision": precision, "engine_dtypes": engine_dtypes, "trainer_precisions": precisions,
                    "task": task, "task_options": dict(task_options or {}), "n_prompts": n_prompts, "n": n,
                    "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "seed": seed},
         "num_responses": int(batch.response_ids.shape[0]),
         **report,
+        "precision_pairs": pairs,
+        "batch_shape": shapes,
         "timing_s": timing,
         "files": {k: str(v) for k, v in files.items()},
     }
