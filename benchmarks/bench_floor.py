@@ -24,27 +24,20 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import yaml
 
-from common import demo_steps, emit
+from common import demo_steps, emit, timed
 
 
 def gemm_peak(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
     """GFLOP/s of the best of `reps` [n, n] @ [n, n] matmuls in `dtype` (after one warm-up)."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     torch.mm(a, b)
-    best = min(_time(lambda: torch.mm(a, b)) for _ in range(reps))
+    best = min(timed(lambda: torch.mm(a, b)) for _ in range(reps))
     return 2 * n ** 3 / best / 1e9
-
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def token_flops(cfg) -> dict[str, float]:

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from dppo.divergence import binary_kl, binary_tv
+from dppo.sequence_mask import _per_unit
 
 __all__ = [
     "TRUST_REGIONS",
@@ -267,12 +268,7 @@ def sequence_log_ratio(logp: Tensor, anchor_logp: Tensor, response_mask: Tensor,
     GSPO's log s_u, the log of the geometric mean of the unit's ratios. `units` = (index [B, T], count) as
     `dppo.sequence_mask.unit_index` gives them."""
     index, n = units
-    mask = response_mask.bool().reshape(-1)
-    diff = torch.where(mask, (logp - anchor_logp).reshape(-1), torch.zeros((), dtype=logp.dtype, device=logp.device))
-    flat = index.reshape(-1)
-    total = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add(0, flat, diff)
-    count = torch.zeros(n, dtype=logp.dtype, device=logp.device).index_add(0, flat, mask.to(logp.dtype))
-    return (total / count.clamp(min=1))[index]
+    return _per_unit(logp - anchor_logp, response_mask.bool(), index, n, "mean")
 
 
 @torch.no_grad()

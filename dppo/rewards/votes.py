@@ -23,15 +23,8 @@ from __future__ import annotations
 from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Callable
 
-from dppo.rewards.builtin import (
-    digit_fraction,
-    exact_match,
-    last_number_match,
-    leading_number,
-    math_verify_match,
-    reasoning_gym_score,
-)
 from dppo.rewards.extract import answer_tag, boxed, extract_answer, last_number
+from dppo.rewards.registry import REWARDS
 
 if TYPE_CHECKING:
     from dppo.example import Example, RewardFn
@@ -97,12 +90,12 @@ def _by_format(completion: str, example: Example) -> str | None:
 
 
 VOTE_RULES: dict[Callable, VoteRule | None] = {
-    last_number_match: _last_number,
-    leading_number: _leading_digits,
-    exact_match: _whitespace,
-    math_verify_match: _math,
-    reasoning_gym_score: _by_format,
-    digit_fraction: None,
+    REWARDS["last_number"]: _last_number,
+    REWARDS["leading_number"]: _leading_digits,
+    REWARDS["exact_match"]: _whitespace,
+    REWARDS["math_verify"]: _math,
+    REWARDS["reasoning_gym"]: _by_format,
+    REWARDS["digit_fraction"]: None,
 }
 
 

@@ -86,23 +86,24 @@ def _step_of(folder: Path) -> int:
     return int(folder.name.split("_")[1])
 
 
-def _checkpoints(run_dir: Path, step: int | None, every: bool) -> list[Path]:
-    """The checkpoint folders to evaluate: every complete one (`every`), the one of `step`, or the newest."""
+def _checkpoints(run_dir: Path, step: int | None, every: bool) -> list[tuple[Path, dict | None]]:
+    """The checkpoint folders to evaluate, each with its loaded checkpoint when already read (None: load it): every
+    complete one (`every`), the one of `step`, or the newest that loads."""
     found = complete_checkpoints(run_dir)
     if not found:
         raise ValueError(f"--run-dir: no complete checkpoint under {run_dir / 'checkpoints'}")
     if every:
-        return found
+        return [(p, None) for p in found]
     if step is None:
         newest = load_latest(run_dir)  # a corrupt newest one is reported and the previous one taken
         if newest is None:
             raise ValueError(f"--run-dir: no checkpoint under {run_dir / 'checkpoints'} loads")
-        return [newest[0]]
+        return [newest]
     chosen = [p for p in found if p == checkpoint_path(run_dir, step)]
     if not chosen:
         steps = ", ".join(str(_step_of(p)) for p in found)
         raise ValueError(f"--step: run {run_dir} has no complete checkpoint of step {step} (it has: {steps})")
-    return chosen
+    return [(chosen[0], None)]
 
 
 def evaluate_checkpoints(cfg: Config, run_dir: Path | None, *, step: int | None = None, every: bool = False,
@@ -130,10 +131,10 @@ def evaluate_checkpoints(cfg: Config, run_dir: Path | None, *, step: int | None 
     source = None
     try:
         results = []
-        for folder in folders or [None]:
+        for folder, ckpt in folders or [(None, None)]:
             origin, at = "base model", 0
             if folder is not None:
-                ckpt = load_checkpoint(folder)
+                ckpt = load_checkpoint(folder) if ckpt is None else ckpt
                 load_checkpoint_weights(model, ckpt["weights"], folder, flag="--run-dir")
                 origin, at = str(folder), _step_of(folder)
             if source is None:
