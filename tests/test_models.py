@@ -151,7 +151,7 @@ def test_rank_independent_save_reloads_the_same_model(tmp_path):
     reload gives the same logits, the tied head included."""
     from transformers import AutoModelForCausalLM
 
-    from dppo.rollout.vllm import _save_on_any_rank
+    from dppo.rollout.model_folder import save_on_any_rank as _save_on_any_rank
 
     model = tiny_random_model(char_tokenizer(), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, seed=1)
     with torch.no_grad():

