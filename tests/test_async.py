@@ -25,7 +25,7 @@ from dppo.rollout.remote import WorkerError
 from dppo.train.config import ConfigError, replace
 from dppo.train.scoring import score_responses_reference
 from dppo.train.trainer import Trainer
-from conftest import smoke_config
+from conftest import VLLM_MARKS, smoke_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -385,11 +385,14 @@ def test_a_local_worker_loads_a_version_published_mid_response(tmp_path):
     core.close()
 
 
-def test_trainer_with_in_flight_updates_records_every_tokens_version(tmp_path):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm-server", marks=[*VLLM_MARKS, pytest.mark.slow])])
+def test_trainer_with_in_flight_updates_records_every_tokens_version(tmp_path, engine):
     """In the trainer, whatever versions arrived mid-response (it depends on timing: with 48-token responses and one
     mini-batch about a third of the tokens after step 1 when the machine is quiet), each token's µ is that of the
-    version it names and no response started staler than k."""
-    cfg = replace(_cfg(tmp_path, max_staleness=1, steps=4, in_flight_updates=True, max_new_tokens=48),
+    version it names and no response started staler than k. vllm-server: the worker's server takes each version
+    through vLLM's weight-update API mid-request (pause keep) and stamps every token with its version."""
+    cfg = replace(_cfg(tmp_path, max_staleness=1, steps=4, in_flight_updates=True, max_new_tokens=48, engine=engine,
+                       worker_timeout_s=300.0),  # a server's start included
                   train={"mini_batches": 1})
     trainer = _Recording(cfg, tmp_path)
     try:

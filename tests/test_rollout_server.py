@@ -211,7 +211,7 @@ def test_a_failed_start_names_the_server_its_log_and_cause(model_dir, tokenizer,
     with pytest.raises(ServerError) as e:
         make_engine("vllm-server", model_dir, tokenizer, kv_cache_gb=1e-5, log_dir=tmp_path, start_timeout_s=300)
     message = str(e.value)
-    assert "server-0" in message and str(tmp_path / "server-0.log") in message and "exited" in message
+    assert "server-0" in message and f"log {tmp_path}/server-0-port" in message and "exited" in message
     assert "KV cache" in message or "memory" in message
     assert time.monotonic() - t0 < 300  # found when the process exits, not by the timeout
 
@@ -253,5 +253,58 @@ def test_a_server_that_dies_mid_step_fails_the_step_naming_it(engine):
     proc = engine.processes[0]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.proc.wait(30)
-    with pytest.raises(ServerError, match=r"server-0 \(http://127\.0\.0\.1:\d+, log .*server-0\.log\)"):
+    with pytest.raises(ServerError, match=r"server-0 \(http://127\.0\.0\.1:(\d+), log .*server-0-port\1\.log\)"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+
+
+# --- LoRA: adapter-only sync --------------------------------------------------------------------------------------
+
+
+def _peft(make_tiny_model, seed: int):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_tiny_model(seed=0, **VLLM_TINY), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                             target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model.eval()
+
+
+def test_adapter_only_sync_serves_each_version_without_a_merge(model_dir, tokenizer, make_tiny_model, tmp_path):
+    """rollout.lora_sync adapter: each version is a LoRA adapter on the servers (no merged weights move); µ equals
+    the PEFT model's forward; a request in flight finishes under the adapter it started with, stamped with its
+    version, while new requests use the new one; an adapter no request uses is unloaded."""
+    from dppo.train.weights import engine_state
+
+    first, second = _peft(make_tiny_model, 1), _peft(make_tiny_model, 2)
+    lora = {"r": 4, "alpha": 8, "target_modules": ("q_proj", "v_proj"), "max_loras": 2}
+    with make_engine("vllm-server", model_dir, tokenizer, kv_cache_gb=KV_GB, log_dir=tmp_path, lora=lora) as eng:
+        state = engine_state(first, adapter=True)
+        assert state and all("lora_" in k for k in state)
+        eng.load_weights(state)
+        assert eng.weight_version == 1 and eng._adapter == "dppo-v1"
+        for r in eng.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=12)):
+            assert (picked(first, r) - r.rollout_logp).abs().max() <= 1e-4
+            assert bool((r.token_versions == 1).all())
+        polls = []
+
+        def between_chunks() -> bool:
+            polls.append(1)
+            if len(polls) == 2:
+                eng.load_weights(engine_state(second, adapter=True))
+                return True
+            return False
+
+        eng.between_chunks = between_chunks
+        rollouts = eng.generate(PROMPTS, SamplingParams(n=4, temperature=0.6, max_new_tokens=400))
+        eng.between_chunks = None
+        assert eng.weight_version == 2
+        for r in rollouts:  # all sent before the update: adapter 1 to the end
+            assert bool((r.token_versions == 1).all())
+            assert (picked(first, r, 0.6) - r.rollout_logp).abs().max() <= 1e-4
+        assert not (eng._weights_dir / "adapter-1").exists() and (eng._weights_dir / "adapter-2").is_dir()
+        (r,) = eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12))
+        assert bool((r.token_versions == 2).all()) and (picked(second, r) - r.rollout_logp).abs().max() <= 1e-4

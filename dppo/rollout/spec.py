@@ -29,7 +29,7 @@ class EngineSpec:
     model: ModelSpec
     """The model whose architecture (and initial weights) the engine loads."""
     kind: str = "hf"
-    """An `dppo.rollout.ENGINES` name: hf or vllm."""
+    """An `dppo.rollout.ENGINES` name: hf, vllm or vllm-server."""
     dtype: str = "float32"
     """float32, bfloat16 or float16: the dtype the engine samples in."""
     device: str = "cpu"
@@ -45,7 +45,8 @@ class EngineSpec:
     hf_max_batch_rows: int = 0
     """hf: most responses decoded together (0 = all)."""
     vllm: dict = field(default_factory=dict)
-    """vLLM engine keywords (kv_cache_gb on CPU, gpu_memory_utilization on CUDA)."""
+    """vLLM engine keywords (kv_cache_gb on CPU, gpu_memory_utilization on CUDA; vllm-server: its servers, URLs,
+    partial mode, timeouts, logs and weights folder)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -62,8 +63,10 @@ def build_engine(spec: EngineSpec):
                              copy=False, max_batch_rows=spec.hf_max_batch_rows or None)
     else:  # vLLM loads a folder; the tiny model (no folder) is handed over as a module, which it saves itself
         model, tokenizer, path = load(spec.model, dtype=torch.float32)
+        where = {"device": spec.device} if spec.kind == "vllm-server" else {}  # the servers' device
         engine = make_engine(spec.kind, path if path is not None else model, tokenizer, dtype=spec.dtype,
-                             seed=spec.seed, max_logprobs=max(DEFAULT_TOP_K, spec.top_k_logprobs), **spec.vllm)
+                             seed=spec.seed, max_logprobs=max(DEFAULT_TOP_K, spec.top_k_logprobs), **where,
+                             **spec.vllm)
         del model
     if spec.top_k_logprobs > engine.max_logprobs:
         engine.close()

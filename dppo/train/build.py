@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 
 import importlib.util
 import inspect
@@ -210,18 +211,29 @@ def resolution_notes(requested: Config) -> list[str]:
     return []
 
 
-def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0):
+def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0, run_dir: Path | None = None):
     """The run's `EngineSpec` (engine and dtype resolved for this machine): what an in-process engine and every
-    rollout worker are built from. device: the engine's (default: the trainer's)."""
+    rollout worker are built from. device: the engine's (default: the trainer's). run_dir: where the servers of
+    vllm-server write their logs (<run_dir>/servers; default a temporary folder)."""
     r = cfg.rollout
     engine, dtype, _ = resolve_rollout(cfg)
     vllm = ({"gpu_memory_utilization": r.vllm_gpu_memory_utilization} if torch.cuda.is_available()
             else {"kv_cache_gb": r.vllm_kv_cache_gb})  # on CUDA vLLM shares the GPU with the trainer
+    if engine.value == "vllm-server":
+        vllm = {"urls": tuple(r.server_url_list), "servers": r.servers, "partial": r.server_partial,
+                "timeout_s": r.server_timeout_s, "start_timeout_s": r.server_timeout_s,
+                "server_args": tuple(shlex.split(r.server_args)), "weights_dir": r.server_weights_dir or None,
+                "kv_cache_gb": r.vllm_kv_cache_gb,
+                "log_dir": str(Path(run_dir) / "servers") if run_dir is not None else None}
+        if r.lora_sync == "adapter":  # adapter slots: the current one and those requests in flight still use
+            m = cfg.model
+            vllm["lora"] = {"r": m.lora_rank, "alpha": m.lora_alpha, "target_modules": tuple(m.lora_target_modules),
+                            "max_loras": r.max_staleness + 2 if r.mode == "async" else 2}
     return EngineSpec(model_spec(cfg), kind=engine.value, dtype=dtype.value,
                       device=device or resolve_device(cfg.model.device).type, seed=cfg.train.seed + seed_offset,
                       top_k_logprobs=cfg.top_k_logprobs, quantization=r.quantization,
                       fp8_activations=r.fp8_activations, hf_max_batch_rows=r.hf_max_batch_rows,
-                      vllm=vllm if engine.value == "vllm" else {})
+                      vllm=vllm if engine.value in ("vllm", "vllm-server") else {})
 
 
 def announce_rollout(cfg: Config, announce, *, training: bool = False) -> None:
@@ -253,9 +265,9 @@ def check_rollout(cfg: Config, trainer_device: torch.device) -> None:
                     raise ConfigError(f"rollout.devices: {device!r} does not exist on this machine "
                                       f"({gpus} CUDA device(s))")
     engine, _, _ = resolve_rollout(cfg)
-    if r.in_flight_updates and engine.value != "hf":
-        raise ConfigError(f"rollout.in_flight_updates: needs the hf engine (rollout.engine auto chose {engine.value!r} "
-                          f"here; set rollout.engine hf)")
+    if r.in_flight_updates and engine.value not in ("hf", "vllm-server"):
+        raise ConfigError(f"rollout.in_flight_updates: needs the hf or vllm-server engine (rollout.engine auto chose "
+                          f"{engine.value!r} here; set rollout.engine hf)")
     if "load_weights" in missing_engine_methods(engine_class(engine.value)):
         raise ConfigError(f"rollout.engine: {engine.value!r} cannot receive weights (no load_weights), which "
                           f"rollout.mode async needs after every optimiser step")
@@ -276,7 +288,7 @@ def build_engine(cfg: Config, model: nn.Module, *, dist=None, seed_offset: int =
 
 
 def build_source(cfg: Config, episodes, *, draw, weights: dict[str, torch.Tensor], version: int, position: int,
-                 device: torch.device, rank: int = 0, announce=None):
+                 device: torch.device, rank: int = 0, announce=None, run_dir: Path | None = None):
     """The trainer's `RolloutSource` for rollout.mode, running `episodes` (`build_episodes`) and holding `weights`
     as version `version`: an engine in this process (sync; `rollout.engine_lag` versions behind) or rollout workers
     (async). draw(step) -> `Draw`: the trainer's prompt draw; position: the prompt sampler's position now.
@@ -284,11 +296,11 @@ def build_source(cfg: Config, episodes, *, draw, weights: dict[str, torch.Tensor
     user gave it: `announce_rollout`)."""
     r = cfg.rollout
     if r.mode == "sync":  # ranks sample differently: engine seed train.seed + rank
-        engine = from_spec(engine_spec(cfg, seed_offset=rank))
+        engine = from_spec(engine_spec(cfg, seed_offset=rank, run_dir=run_dir))
         return EngineSource(engine, draw, weights=weights, version=version, start_position=position, lag=r.engine_lag,
                             episodes=episodes)
 
-    pool = start_pool(r.backend, engine_spec(cfg), worker_devices(cfg, device), weights, version,
+    pool = start_pool(r.backend, engine_spec(cfg, run_dir=run_dir), worker_devices(cfg, device), weights, version,
                       threads=r.worker_threads, timeout_s=r.worker_timeout_s, seed_offset=1000 * rank,
                       in_flight=r.in_flight_updates, address=r.ray_address)
     if announce is not None:

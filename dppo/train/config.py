@@ -80,10 +80,11 @@ class ModelConfig:
 class RolloutConfig:
     """The inference engine that samples the responses (the rollout policy µ)."""
 
-    engine: Literal["auto", "hf", "vllm"] = "auto"
+    engine: Literal["auto", "hf", "vllm", "vllm-server"] = "auto"
     """auto = the faster engine for the hardware and engine dtype (dppo.runtime.hardware.resolve_engine): vllm on CUDA
     and on CPUs in bf16; hf on CPUs in float32 (it shares each prompt's prefix across its G samples). vllm
-    only when importable."""
+    only when importable. vllm-server = vLLM's own server processes (started by dppo, or rollout.server_urls),
+    weights through vLLM's weight-update API (docs/engines.md); never chosen by auto."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype the engine samples in. auto = bfloat16 where it is native (CUDA with bf16; CPUs with avx512_bf16 or
     AMX), float32 otherwise (emulated bf16 is 3-4x slower). bf16 vs an fp32 trainer is a real mismatch; float16
@@ -133,7 +134,27 @@ class RolloutConfig:
     worker_timeout_s: float = 600.0
     """async: a worker that returns nothing for this long (starting included) is reported as hung, by index."""
     vllm_kv_cache_gb: float = 2.0
-    """vLLM on CPU: KV cache size in GB (VLLM_CPU_KVCACHE_SPACE)."""
+    """vLLM on CPU: KV cache size in GB (VLLM_CPU_KVCACHE_SPACE; per server with vllm-server)."""
+    servers: int = 1
+    """vllm-server: servers dppo starts per engine (seeds train.seed, +1, ...; requests go to the one with the fewest
+    outstanding)."""
+    server_urls: str = ""
+    """vllm-server: comma-separated URLs of running servers to use instead of starting any (started with
+    `python -m dppo.rollout.server.serve`, docs/engines.md)."""
+    server_partial: Literal["keep", "abort"] = "keep"
+    """vllm-server with in-flight updates: keep = requests in flight are frozen (vLLM's /pause?mode=keep) and go on
+    under the new weights; abort = they are aborted and sent again as prompt + tokens so far."""
+    server_timeout_s: float = 600.0
+    """vllm-server: the longest one generate request may take (then the step fails naming the server); a server's
+    start may take as long."""
+    server_args: str = ""
+    """vllm-server: more `vllm serve` flags for the servers dppo starts (shell syntax)."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """With model.lora_rank > 0: merged = the engine gets the full weights, LoRA merged, at every sync; adapter
+    (vllm-server) = only the adapter, loaded by each server as a new LoRA adapter per version (no merge; a request
+    finishes under the adapter it started with)."""
+    server_weights_dir: str = ""
+    """vllm-server: where weight files are written for the servers ('' = /dev/shm); a folder the servers can read."""
     vllm_gpu_memory_utilization: float = 0.5
     """vLLM on GPU: fraction of GPU memory for the engine (it shares the GPU with the trainer)."""
 
@@ -153,7 +174,19 @@ class RolloutConfig:
             _fail("rollout.engine_lag", "is the synchronous stand-in for staleness; with rollout.mode async use "
                                         "rollout.max_staleness")
         if self.in_flight_updates and (self.backend != "local" or self.quantization != "none" or self.engine == "vllm"):
-            _fail("rollout.in_flight_updates", "needs rollout.backend local, the hf engine and rollout.quantization none")
+            _fail("rollout.in_flight_updates", "needs rollout.backend local, the hf or vllm-server engine and "
+                                               "rollout.quantization none")
+        if self.servers < 1:
+            _fail("rollout.servers", f"expected >= 1, got {self.servers}")
+        _positive("rollout", server_timeout_s=self.server_timeout_s)
+        for name in ("servers", "server_urls", "server_partial", "server_args", "server_weights_dir", "lora_sync"):
+            if self.engine != "vllm-server" and getattr(self, name) != getattr(RolloutConfig, name):
+                _fail(f"rollout.{name}", "needs rollout.engine vllm-server")
+        if self.server_urls and self.servers != 1:
+            _fail("rollout.servers", "dppo starts servers only without rollout.server_urls (one engine per URL list)")
+        for url in self.server_url_list:
+            if not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", url):
+                _fail("rollout.server_urls", f"{url!r} is not a server URL (expected http://host:port)")
         for name in ("devices", "backend", "ray_address", "in_flight_updates"):
             if self.mode == "sync" and getattr(self, name) != getattr(RolloutConfig, name):
                 _fail(f"rollout.{name}", "needs rollout.mode async")
@@ -162,7 +195,7 @@ class RolloutConfig:
                 _fail("rollout.devices", f"{device!r} is not a device (expected cpu, cuda or cuda:N, comma-separated)")
         if self.fp8_activations and self.quantization != "fp8":
             _fail("rollout.fp8_activations", "needs rollout.quantization fp8")
-        if self.fp8_activations and self.engine == "vllm":
+        if self.fp8_activations and self.engine in ("vllm", "vllm-server"):
             _fail("rollout.fp8_activations", "needs the hf engine (vLLM's activations are not reachable)")
         if self.hf_max_batch_rows < 0:
             _fail("rollout.hf_max_batch_rows", f"expected >= 0, got {self.hf_max_batch_rows}")
@@ -170,6 +203,10 @@ class RolloutConfig:
             _fail("rollout.top_k_logprobs", f"expected >= 0, got {self.top_k_logprobs}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             _fail("rollout.vllm_gpu_memory_utilization", f"expected in (0, 1], got {self.vllm_gpu_memory_utilization}")
+
+    @property
+    def server_url_list(self) -> list[str]:
+        return [u.strip() for u in self.server_urls.split(",") if u.strip()]
 
     @property
     def device_list(self) -> list[str]:
@@ -523,6 +560,10 @@ class Config:
                                             f"{self.env.max_tokens} (the whole episode)")
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
             _fail("loss.anchor", "drpo has no mask to anchor")
+        if self.rollout.lora_sync == "adapter" and not self.model.lora_rank:
+            _fail("rollout.lora_sync", "'adapter' needs a LoRA run (model.lora_rank > 0)")
+        if self.rollout.lora_sync == "adapter" and self.rollout.quantization != "none":
+            _fail("rollout.lora_sync", "'adapter' sends no base weights to quantise; use rollout.quantization none")
 
     @property
     def top_k_logprobs(self) -> int:

@@ -101,7 +101,7 @@ class Trainer:
         # rollout.engine_lag a resumed run's lag restarts from the resumed weights
         self.source = build_source(cfg, self.episodes, draw=self._draw, weights=self._engine_state(),
                                    version=self.step_idx, position=self.sampler.position, device=self.device,
-                                   rank=self.dist.rank, announce=announce)
+                                   rank=self.dist.rank, announce=announce, run_dir=self.run_dir)
 
     @property
     def engine(self):
@@ -221,7 +221,7 @@ class Trainer:
 
     def _engine_state(self) -> dict[str, Tensor]:
         """The weights an engine loads, as a state dict (LoRA merged; under FSDP2 a collective)."""
-        return engine_state(self.model, self.dist)
+        return engine_state(self.model, self.dist, adapter=self.cfg.rollout.lora_sync == "adapter")
 
     def _recompute(self, batch: RolloutBatch) -> Scores:
         """π_old's scores of the whole batch before any update (the recompute anchor), one micro-batch at a time."""

@@ -50,7 +50,12 @@ class ServerClient:
         if response.status_code != 200:
             raise ServerError(f"{self.name} ({self.url}): {path} answered {response.status_code}: "
                               f"{response.text[:2000]}")
-        return response.json() if response.content else {}
+        if not response.content:
+            return {}
+        try:
+            return response.json()
+        except ValueError:  # some routes answer plain text (load_lora_adapter)
+            return {"text": response.text}
 
     def track(self, delta: int) -> None:
         """Count a generate request as sent (+1) or answered (-1)."""

@@ -32,7 +32,6 @@ engine when chunked prefill splits a batch; see `dppo.rollout.vllm`.)
 from __future__ import annotations
 
 import concurrent.futures as cf
-import itertools
 import os
 import shutil
 import tempfile
@@ -55,7 +54,16 @@ POLL_S = 0.05
 PARTIAL_MODES = ("keep", "abort")
 _MIN_TEMPERATURE = 1e-5
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ids = itertools.count()
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32 accepts for --max-lora-rank."""
+
+
+def _lora_rank_cap(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds `rank`."""
+    for cap in _LORA_RANKS:
+        if cap >= rank:
+            return cap
+    raise ValueError(f"model.lora_rank: {rank} is above vLLM's largest LoRA rank {_LORA_RANKS[-1]}")
 
 
 @dataclass
@@ -81,7 +89,9 @@ class ServerEngine:
     server. partial: keep or abort (in-flight updates). timeout_s: the longest one request may take.
     start_timeout_s: the longest a server may take to become healthy. log_dir: the servers' logs (default: a
     temporary folder). weights_dir: where weight files are written (default /dev/shm; a folder every server can
-    read when they are on other machines). server_args: more `vllm serve` flags.
+    read when they are on other machines). server_args: more `vllm serve` flags. lora: adapter-only sync
+    ({"r", "alpha", "target_modules", "max_loras"}): the servers start with LoRA enabled and `load_weights` takes a
+    PEFT adapter state dict (see `_load_adapter`); a full state dict is still loaded as weights.
     """
 
     def __init__(self, model: str | os.PathLike | nn.Module, tokenizer=None, *, urls: Sequence[str] = (),
@@ -89,7 +99,7 @@ class ServerEngine:
                  kv_cache_gb: float = 1.0, device: str = "cpu", max_model_len: int | None = None,
                  partial: str = "keep", timeout_s: float = 600.0, start_timeout_s: float = 600.0,
                  log_dir: str | os.PathLike | None = None, weights_dir: str | os.PathLike | None = None,
-                 server_args: Sequence[str] = (), api_key: str | None = None) -> None:
+                 server_args: Sequence[str] = (), api_key: str | None = None, lora: dict | None = None) -> None:
         if partial not in PARTIAL_MODES:
             raise ValueError(f"partial: expected one of {', '.join(PARTIAL_MODES)}, got {partial!r}")
         if not urls and servers < 1:
@@ -113,6 +123,9 @@ class ServerEngine:
         self._label, self._labels = "0", {"0": 0}
         self._version = 0
         self.stats = {"weight_updates": 0, "resubmitted": 0}
+        self.lora = dict(lora) if lora else None
+        self._adapter: str | None = None  # the adapter new requests use (None: the served weights)
+        self._adapter_users: dict[str, int] = {}  # adapter -> requests out that use it
         try:
             self.path, self.tokenizer = model_folder(model, tokenizer, self._tmpdir)
             self._config = read_json(self.path / "config.json")
@@ -128,9 +141,13 @@ class ServerEngine:
             else:
                 logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="dppo-server-logs-"))
                 for i in range(servers):
+                    lora_args = () if not self.lora else (
+                        "--enable-lora", "--max-loras", str(self.lora["max_loras"]), "--max-cpu-loras",
+                        str(2 * self.lora["max_loras"]), "--max-lora-rank", str(_lora_rank_cap(self.lora["r"])))
                     settings = ServerSettings(str(self.path), dtype=dtype, max_logprobs=max_logprobs + 1,
                                               kv_cache_gb=kv_cache_gb, seed=seed + i, device=device,
-                                              max_model_len=max_model_len, extra_args=tuple(server_args))
+                                              max_model_len=max_model_len,
+                                              extra_args=lora_args + tuple(server_args))
                     self.processes.append(ServerProcess(settings, name=f"server-{i}", log_dir=logs))
                 self.clients = [ServerClient(p.url, name=f"{p.name} ({p.url}, log {p.log})", timeout_s=timeout_s)
                                 for p in self.processes]
@@ -166,6 +183,8 @@ class ServerEngine:
     def weight_version(self, value: int) -> None:
         """The version the tokens sampled from now on carry (a rollout worker sets the published version)."""
         self._version = self._labels[self._label] = int(value)
+        if self._adapter is not None:
+            self._labels[self._adapter] = self._version
 
     def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
         """Sample `params.n` responses per prompt; returns len(prompts) * n rollouts, prompt-major."""
@@ -184,7 +203,9 @@ class ServerEngine:
             while pending:
                 done, _ = cf.wait(pending, timeout=POLL_S, return_when=cf.FIRST_COMPLETED)
                 for future in done:
-                    for slot, choice in zip(pending.pop(future), sorted(future.result()["choices"],
+                    answer = future.result()
+                    self._release(answer)
+                    for slot, choice in zip(pending.pop(future), sorted(answer["choices"],
                                                                         key=lambda c: c["index"])):
                         resubmit = self._take(slot, choice, params)
                         if resubmit is not None:
@@ -204,6 +225,8 @@ class ServerEngine:
         `weight_version`."""
         if not self.clients:
             raise ValueError("engine: closed")
+        if not isinstance(weights, nn.Module) and any("lora_" in k for k in weights):
+            return self._load_adapter(weights)
         items = checked_items(weights, self._shapes, tied=self._tied, dtype=self.dtype)
         from safetensors.torch import save_file
 
@@ -257,16 +280,23 @@ class ServerEngine:
             "max_tokens": max_tokens, "stop_token_ids": sorted(self.eos_ids | set(params.stop_token_ids)),
             "ignore_eos": True, "logprobs": params.top_k_logprobs + 1 if params.top_k_logprobs else 0,
             "detokenize": False}}
+        adapter = self._adapter
+        if adapter is not None:
+            body["model"] = adapter
+            self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
         client = self._client()
         client.track(+1)  # counted now, so the next pick sees it before the request thread starts
-        return self._pool.submit(self._post_generate, client, body)
+        return self._pool.submit(self._post_generate, client, body, adapter)
 
-    @staticmethod
-    def _post_generate(client: ServerClient, body: dict) -> dict:
+    def _post_generate(self, client: ServerClient, body: dict, adapter: str | None) -> dict:
         try:
-            return client.post("/inference/v1/generate", body)
+            out = client.post("/inference/v1/generate", body)
         finally:
             client.track(-1)
+        if adapter is not None:  # every token of the request was sampled by its adapter's version
+            for choice in out["choices"]:
+                choice["weight_versions"] = [{"version": adapter, "start": 0, "end": len(choice["token_ids"])}]
+        return out
 
     def _take(self, slot: _Slot, choice: dict, params: SamplingParams) -> cf.Future | None:
         """Record one choice's tokens in `slot`; an aborted choice (partial="abort") is sent again from where it
@@ -285,6 +315,51 @@ class ServerEngine:
             return None
         self.stats["resubmitted"] += 1
         return self._submit(slot.prompt + done, 1, params.max_new_tokens - len(done), params)
+
+    def _load_adapter(self, weights: Mapping[str, Tensor]) -> None:
+        """Adapter-only sync: the adapter (PEFT names and layout) written as a PEFT folder, loaded by every server
+        as adapter `dppo-v<label>` (`/v1/load_lora_adapter`); requests sent from now on name it, requests in flight
+        finish under the adapter they started with; an adapter no request uses any more is unloaded. No pause."""
+        if not self.lora:
+            raise ValueError("weights: a LoRA adapter, but the engine was built without `lora` (rollout.lora_sync)")
+        import json
+
+        from safetensors.torch import save_file
+
+        label = str(int(self._label) + 1)
+        name, folder = f"dppo-v{label}", self._weights_dir / f"adapter-{label}"
+        folder.mkdir()
+        save_file({k: v.detach().to(self.dtype).contiguous().cpu() for k, v in weights.items()},
+                  str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.lora["r"], "lora_alpha": self.lora["alpha"],
+            "target_modules": sorted(self.lora["target_modules"]), "lora_dropout": 0.0, "bias": "none",
+            "base_model_name_or_path": str(self.path)}))
+        for future in [self._pool.submit(c.post, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+                       for c in self.clients]:
+            future.result()
+        previous, self._adapter, self._label = self._adapter, name, label
+        self.weight_version = self._version + 1  # the version the adapter's tokens carry
+        self.stats["weight_updates"] += 1
+        if previous is not None:
+            self._unload_unused(previous)
+
+    def _release(self, answer: dict) -> None:
+        """A request answered: one user fewer for its adapter (unloaded when it is no longer the current one)."""
+        spans = [c.get("weight_versions") or [] for c in answer.get("choices", [])]
+        adapter = spans[0][0]["version"] if spans and spans[0] and self.lora else None
+        if adapter in self._adapter_users:
+            self._adapter_users[adapter] -= 1
+            if adapter != self._adapter:
+                self._unload_unused(adapter)
+
+    def _unload_unused(self, adapter: str) -> None:
+        if self._adapter_users.get(adapter, 0) > 0:
+            return
+        self._adapter_users.pop(adapter, None)
+        for client in self.clients:
+            client.post("/v1/unload_lora_adapter", {"lora_name": adapter})
+        shutil.rmtree(self._weights_dir / f"adapter-{adapter.removeprefix('dppo-v')}", ignore_errors=True)
 
     def _update(self, client: ServerClient, path: Path, mode: str, label: str) -> None:
         client.post("/pause", params={"mode": mode})

@@ -8,9 +8,11 @@ in a session of its own, its output in a log file. The flags dppo always passes,
 - ``--logprobs-mode processed_logprobs``: log-probs of the distribution actually sampled (after temperature).
 - ``--max-logprobs K+1``: the endpoint lists the sampled token first and cuts the list at K entries, so dppo asks
   for K+1 and keeps ranks 1..K (`dppo.rollout.server.client.parse_choice`).
-- ``--weight-transfer-config {"backend": "dppo_shm"}`` (CPU) and ``VLLM_SERVER_DEV_MODE=1``: the RL API
-  (`/pause`, `/update_weights`, ...) through which weights arrive.
+- ``--weight-transfer-config {"backend": "dppo_shm"}`` and ``VLLM_SERVER_DEV_MODE=1``: the RL API (`/pause`,
+  `/update_weights`, ...) through which weights arrive, as a file in shared memory (on CUDA too: vLLM's NCCL
+  engine is not wired in yet, docs/engines.md).
 - ``HF_HUB_OFFLINE=1``: the model is a local folder; nothing is looked up on the Hub.
+- ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (CPU, unless set): vLLM keeps one core off its OpenMP threads otherwise.
 
 Failures before training name the server, its log and the cause read from the log: a port in use is found before
 the start; a missing model folder is refused before the start; a process that exits while starting (out of memory
@@ -105,17 +107,21 @@ class ServerSettings:
             cmd += ["--kv-cache-memory-bytes", str(int(self.kv_cache_gb * 2**30))]
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        cmd += ["--weight-transfer-config", '{"backend": "%s"}' % BACKEND]
         if self.device == "cpu":
-            cmd += ["--enforce-eager", "--weight-transfer-config", '{"backend": "%s"}' % BACKEND]
-        else:
-            cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
+            cmd += ["--enforce-eager"]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the in-process engine's setting, not a server's
+        if "--enable-lora" in self.extra_args:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter (adapter-only sync)
         if self.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
+            # vLLM-CPU keeps one core per server off its OpenMP threads for its scheduler process; on a small machine
+            # that is half the cores (measured on 2 cores: docs/benchmarks.md, bench_server). The scheduler shares.
+            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         elif ":" in self.device:
             env["CUDA_VISIBLE_DEVICES"] = self.device.split(":")[1]
         return env
@@ -133,7 +139,7 @@ class ServerProcess:
         self.port = port or free_port(settings.host)
         self.url = f"http://{settings.host}:{self.port}"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log = log_dir / f"{name}.log"
+        self.log = log_dir / f"{name}-port{self.port}.log"
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(settings.command(self.port), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=settings.environment(),
