@@ -8,9 +8,13 @@
    `reload_weights` and the server's vLLM RL API with dppo's shared-memory transfer (the file write and the
    server's pause / update / resume timed apart), median of `--syncs`.
 
-Prints a table and ends with one JSON line. Adapter-only LoRA sync is not built yet (docs/engines.md).
+3. LoRA (`--lora-rank R`, 0 = skip): adapter-only sync (rollout.lora_sync adapter: the adapter file and
+   `/v1/load_lora_adapter`) against merged sync (the full weights through the RL API): bytes written, seconds per
+   sync, and decode speed with the adapter against the merged weights (the demo's chain_sum prompts, 64 × 8 × 24).
 
-    .venv/bin/python benchmarks/bench_server.py --steps 6 --syncs 5 [--reserved]
+Prints a table and ends with one JSON line.
+
+    .venv/bin/python benchmarks/bench_server.py --steps 6 --syncs 5 --lora-rank 16 [--reserved]
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import demo_steps, emit, model_folder
+from common import chain_sum_examples, demo_steps, emit, model_folder
 
 
 def demo(label: str, extra: list[str], steps: int, out: Path, **env: str) -> dict:
@@ -71,12 +75,59 @@ def sync_latency(engine_name: str, dtype: str, syncs: int) -> dict:
         engine.close()
 
 
+def lora_sync(rank: int, dtype: str, syncs: int) -> dict:
+    """Adapter-only vs merged sync on one LoRA model (all the demo's target modules): bytes, seconds, decode speed."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from dppo.rollout import SamplingParams, make_engine
+    from dppo.rollout.episodes import engine_prompts
+    from dppo.runtime.models import load_model
+    from dppo.train.config import ModelConfig
+    from dppo.train.weights import engine_state
+
+    folder = model_folder("smollm2-135m")
+    targets = tuple(ModelConfig().lora_target_modules)
+    model = get_peft_model(load_model(folder), LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                          target_modules=list(targets)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1e-3)
+    examples, _ = chain_sum_examples(64)
+    params = SamplingParams(n=8, max_new_tokens=24)
+    out = {}
+    for mode in ("adapter", "merged"):
+        lora = {"r": rank, "alpha": 2 * rank, "target_modules": targets, "max_loras": 2} if mode == "adapter" else None
+        engine = make_engine("vllm-server", folder, dtype=dtype, kv_cache_gb=1, lora=lora)
+        try:
+            prompts = engine_prompts(examples, engine.tokenizer)
+            state = (lambda: engine_state(model, adapter=mode == "adapter"))
+            engine.load_weights(state())
+            engine.generate(prompts[:8], params)  # warm
+            times = []
+            for _ in range(syncs):
+                t0 = time.perf_counter()
+                engine.load_weights(state())
+                times.append(time.perf_counter() - t0)
+            files = [f for f in engine._weights_dir.rglob("*.safetensors")]
+            t0 = time.perf_counter()
+            rollouts = engine.generate(prompts, params)
+            seconds = time.perf_counter() - t0
+            out[mode] = {"sync_s": statistics.median(times), "bytes": sum(f.stat().st_size for f in files),
+                         "decode_tokens_per_s": sum(r.response_ids.numel() for r in rollouts) / seconds}
+        finally:
+            engine.close()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--syncs", type=int, default=5)
     p.add_argument("--reserved", action="store_true", help="also the server with one core reserved (vLLM's default)")
     p.add_argument("--dtype", default="bfloat16", help="engine dtype of the sync timing (the demo's: auto)")
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the adapter-vs-merged part (0 = skip)")
     args = p.parse_args()
     import platform
 
@@ -90,6 +141,7 @@ def main() -> None:
             runs["vllm-server, 1 core reserved"] = demo("reserved", ["--rollout.engine", "vllm-server"], args.steps,
                                                         Path(tmp) / "reserved", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
     syncs = {name: sync_latency(name, args.dtype, args.syncs) for name in ("vllm", "vllm-server")}
+    lora = lora_sync(args.lora_rank, args.dtype, args.syncs) if args.lora_rank else {}
     base = runs["vllm"]["step_s"]
     print(f"CPU: {cpu}, {os.cpu_count()} cores; demo steps 2..{args.steps}, medians")
     print(f"{'engine':32} {'step s':>8} {'generation s':>13} {'sync s':>8} {'training s':>11} {'step / vllm':>12}")
@@ -101,7 +153,12 @@ def main() -> None:
         extra = (f"  (file write {r['write_s']:.2f} s, {r['bytes'] / 2**20:.0f} MiB to /dev/shm)"
                  if "write_s" in r else "")
         print(f"{name:32} {r['sync_s']:6.2f} s{extra}")
-    emit({"bench": "server", "cpu": cpu, "cores": os.cpu_count(), "steps": args.steps, "demo": runs,
+    if lora:
+        print(f"\nLoRA rank {args.lora_rank} on every projection: adapter-only vs merged sync (vllm-server)")
+        print(f"{'sync':10} {'MiB written':>12} {'sync s':>8} {'decode tokens/s':>16}")
+        for mode, r in lora.items():
+            print(f"{mode:10} {r['bytes'] / 2**20:12.1f} {r['sync_s']:8.2f} {r['decode_tokens_per_s']:16.1f}")
+    emit({"bench": "server", "lora": lora, "cpu": cpu, "cores": os.cpu_count(), "steps": args.steps, "demo": runs,
           "weight_update": syncs, "step_ratio": runs["vllm-server"]["step_s"] / base})
 
 

@@ -56,7 +56,7 @@ if [[ "$CPU" == 1 ]]; then
 else
     MODE=gpu; BUDGET="${DPPO_GPU_CHECK_BUDGET_S:-450}"; NICE=()
     # setup's floor is high: without an environment nothing else can run
-    declare -A CAP=([setup]=300 [env]=60 [gpu_tests]=90 [cuda_tests]=150 [vllm_tests]=200 [distributed]=180
+    declare -A CAP=([setup]=300 [env]=60 [gpu_tests]=90 [cuda_tests]=150 [vllm_tests]=300 [distributed]=180
                     [demo]=240 [bench]=150)
     declare -A FLOOR=([setup]=240 [env]=20 [gpu_tests]=30 [cuda_tests]=40 [vllm_tests]=45 [distributed]=0 [demo]=90
                       [bench]=45)
@@ -64,7 +64,9 @@ else
     # test_scoring and test_losses build their tensors on the CPU: the CUDA wheel's CPU kernels, cheap
     DEFAULT_TESTS="tests/test_trainer.py tests/test_hardware.py tests/test_logprobs.py tests/test_scoring.py
                    tests/test_losses.py"
-    DEFAULT_VLLM_TESTS="tests/test_rollout_vllm.py tests/test_trainer_vllm.py"
+    # test_rollout_server: vLLM's server on the GPU (its fast tests: µ vs an fp32 forward, weight sync through the
+    # RL API, a partial rollout under pause keep/abort); the server's start is most of it
+    DEFAULT_VLLM_TESTS="tests/test_rollout_vllm.py tests/test_trainer_vllm.py tests/test_rollout_server.py"
     DEMO=(--preset demo --train.steps 5 --rollout.engine vllm --rollout.dtype bfloat16)
     BENCH=(--device cuda --vocab 151936 --dtype fp32 bf16 --cache-mb 0 --reps 5)
     if [[ "$N_GPUS" -lt 1 ]]; then

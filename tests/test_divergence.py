@@ -310,10 +310,15 @@ def test_partition_properties_hold_in_float32(seed, vocab, k, spread):
     k = min(k, vocab)
     lmu, lpi, a, cm, cp, valid = _random_case(seed, vocab, k, spread, dtype=F32)
     slack = 1e-5  # float32 rounding of sums of up to 13 terms
+    # The "other" cell's π(O) = 1 − Σ cells carries a few float32 eps of absolute error, so its KL term is off by
+    # ≈ µ(O)·eps/π(O) (the float64 test's bound at float32's eps; seed 12241152 needed it: π(O) ~ 1e-6).
+    mu_o = 1.0 - float(torch.where(valid, cm.exp(), torch.zeros_like(cm)).double().sum())
+    pi_o = 1.0 - float(torch.where(valid, cp.exp(), torch.zeros_like(cp)).double().sum())
+    kl_slack = slack + 8 * torch.finfo(F32).eps * max(mu_o, 0.0) / max(pi_o, 1e-30)
     assert topk_tv(cp, cm, valid) <= full_tv(lpi, lmu) + slack
-    assert topk_kl(cp, cm, valid) <= full_kl(lpi, lmu) + slack
+    assert topk_kl(cp, cm, valid) <= full_kl(lpi, lmu) + kl_slack
     assert binary_tv(lpi[a], lmu[a]) <= topk_tv(cp, cm, valid) + slack
-    assert binary_kl(lpi[a], lmu[a]) <= topk_kl(cp, cm, valid) + slack
+    assert binary_kl(lpi[a], lmu[a]) <= topk_kl(cp, cm, valid) + kl_slack
 
 
 @PROPS

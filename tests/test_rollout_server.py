@@ -24,7 +24,7 @@ from dppo.rollout import Engine, SamplingParams, make_engine
 from dppo.rollout.base import Rollout
 from dppo.rollout.server.launch import ServerError, failure_cause
 
-pytestmark = [*VLLM_MARKS, pytest.mark.slow]
+pytestmark = VLLM_MARKS  # the module's server tests are fast enough for scripts/gpu-check.sh; each extra start: slow
 
 VLLM_TINY = dict(num_heads=2, num_kv_heads=1)
 """Head size 32, the smallest vLLM's CPU attention supports (as in test_rollout_vllm)."""
@@ -161,6 +161,7 @@ def test_a_response_that_spans_an_update_records_each_tokens_version(engine, ser
     assert (engine.stats["resubmitted"] - resubmitted >= len(straddling)) == (partial == "abort")
 
 
+@pytest.mark.slow
 def test_attach_to_a_running_server_and_balance_two_clients(engine, model_dir, tokenizer, server_model):
     url = engine.clients[0].url
     with make_engine("vllm-server", model_dir, tokenizer, urls=[url, url]) as attached:
@@ -173,6 +174,7 @@ def test_attach_to_a_running_server_and_balance_two_clients(engine, model_dir, t
     assert engine.clients[0].healthy()  # an attached server is left running
 
 
+@pytest.mark.slow
 def test_a_server_serving_another_model_is_refused(engine, make_tiny_model, tokenizer, tmp_path):
     from dppo.runtime.models import save_model
 
@@ -206,6 +208,7 @@ def test_failure_causes_are_read_from_the_log():
     assert failure_cause("ValueError: bad thing\nstack", 1) == "ValueError: bad thing"
 
 
+@pytest.mark.slow
 def test_a_failed_start_names_the_server_its_log_and_cause(model_dir, tokenizer, tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ServerError) as e:
@@ -233,6 +236,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_no_server_outlives_its_owner_killed_with_sigkill(model_dir, tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(model_dir), str(tmp_path)], stdout=subprocess.PIPE,
                              text=True)
@@ -273,6 +277,7 @@ def _peft(make_tiny_model, seed: int):
     return model.eval()
 
 
+@pytest.mark.slow
 def test_adapter_only_sync_serves_each_version_without_a_merge(model_dir, tokenizer, make_tiny_model, tmp_path):
     """rollout.lora_sync adapter: each version is a LoRA adapter on the servers (no merged weights move); µ equals
     the PEFT model's forward; a request in flight finishes under the adapter it started with, stamped with its
@@ -308,3 +313,38 @@ def test_adapter_only_sync_serves_each_version_without_a_merge(model_dir, tokeni
         assert not (eng._weights_dir / "adapter-1").exists() and (eng._weights_dir / "adapter-2").is_dir()
         (r,) = eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12))
         assert bool((r.token_versions == 2).all()) and (picked(second, r) - r.rollout_logp).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_the_trainer_stops_naming_a_dead_server_and_resume_continues(tmp_path):
+    """A server killed during training: the next step fails with an error naming the server and its log (no hang,
+    no wrong batch); `resume` starts a new server and continues from the last checkpoint (step, weights, prompts)."""
+    from conftest import smoke_config
+
+    from dppo.train.config import replace
+    from dppo.train.trainer import Trainer
+
+    cfg = smoke_config(tmp_path, rollout={"engine": "vllm-server", "dtype": "float32", "vllm_kv_cache_gb": KV_GB,
+                                          "server_timeout_s": 120.0},
+                       train={"steps": 3, "checkpoint_every": 1, "threads": 1})
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        trainer.step()
+        trainer.save()
+        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        position = trainer.sampler.position
+        proc = trainer.engine.processes[0]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.proc.wait(30)
+        with pytest.raises(ServerError, match=r"server-0 \(http://127\.0\.0\.1:\d+, log .*servers/server-0-port"):
+            trainer.step()
+    finally:
+        trainer.close()
+    resumed = Trainer(replace(cfg, train={"steps": 2}), tmp_path, resume=True)
+    try:
+        assert resumed.step_idx == 1 and resumed.sampler.position == position
+        assert all(torch.equal(v, weights[k]) for k, v in resumed.model.state_dict().items())
+        resumed.step()
+        assert resumed.step_idx == 2
+    finally:
+        resumed.close()

@@ -94,6 +94,10 @@ class ServerEngine:
     PEFT adapter state dict (see `_load_adapter`); a full state dict is still loaded as weights.
     """
 
+    between_chunks = None
+    """In-flight updates: set by a rollout worker (rollout.in_flight_updates); called every `POLL_S` while requests
+    are out."""
+
     def __init__(self, model: str | os.PathLike | nn.Module, tokenizer=None, *, urls: Sequence[str] = (),
                  servers: int = 1, dtype: str | torch.dtype = "float32", seed: int = 0, max_logprobs: int = 20,
                  kv_cache_gb: float = 1.0, device: str = "cpu", max_model_len: int | None = None,
@@ -118,7 +122,6 @@ class ServerEngine:
         base.mkdir(parents=True, exist_ok=True)
         self._weights_dir = Path(tempfile.mkdtemp(prefix=f"dppo-weights-{os.getpid()}-", dir=base))
         self._pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="dppo-server")
-        self.between_chunks = None
         self._generating, self._aborting = False, False
         self._label, self._labels = "0", {"0": 0}
         self._version = 0

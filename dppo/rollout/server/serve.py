@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+from dppo.rollout.server.plugin import register
+
 POLL_S = 0.5
 
 
@@ -33,8 +35,6 @@ def main(argv: list[str]) -> None:
     if os.getppid() != parent:  # the parent died before we got here
         raise SystemExit(f"dppo server: parent {parent} is gone")
     threading.Thread(target=_watch, args=(parent,), daemon=True, name="dppo-parent-watchdog").start()
-    from dppo.rollout.server.plugin import register
-
     register()
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
 
