@@ -148,7 +148,7 @@ def _equality_worker(batch_path: str, out_path: str) -> None:
 
     trainer.cfg = replace(trainer.cfg, advantage={"estimator": "group_mean_batch_std"})
     rewards = torch.arange(batch.response_ids.shape[0], dtype=torch.float32) ** 2 % 7
-    results["adv"] = [t.tolist() for t in dist_all_gather(trainer._advantages(rewards[local])[0])]
+    results["adv"] = [t.tolist() for t in dist_all_gather(trainer._advantages(rewards[local], torch.arange(len(local)))[0])]
     if rank == 0:
         torch.save(results, out_path)
     dist.destroy_process_group()
@@ -181,7 +181,7 @@ def test_two_process_update_equals_one_process_update(global_batch, tmp_path, mo
         ref = Trainer(_case_config(case, tmp_path / "ref"), tmp_path / "ref")
         # the global mini-batch m of a 2-process run is the union of each rank's local mini-batch m
         c = ref.cfg
-        local = minibatches(B // W, c.rollout.group_size, c.train.mini_batches, seed=c.train.seed, step=ref.step_idx,
+        local = minibatches(torch.arange(B // W) // c.rollout.group_size, c.train.mini_batches, seed=c.train.seed, step=ref.step_idx,
                             epoch=0, device=ref.device)
         union = [torch.cat([mb + r * (B // W) for r in range(W)]) for mb in local]
         monkeypatch.setattr(trainer_module, "minibatches", lambda *_a, union=union, **_k: union)

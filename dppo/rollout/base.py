@@ -96,6 +96,8 @@ class Episode:
     """1 when the episode ran out of turns or tokens."""
     env_tokens: float = 0.0
     """Response tokens the environment wrote (loss mask 0)."""
+    refused_calls: float = 0.0
+    """Calls of an agent's episode that the proxy refused (`dppo.agents`)."""
     success: float = math.nan
     """1.0 / 0.0 when the environment said whether the episode succeeded (`EnvStep.info["success"]`, the last
     value given), else NaN: then the reward decides (`dppo.rollout.episodes.episode_success`: reward >= 1)."""
@@ -136,6 +138,10 @@ class Rollout:
     raw `generate` leaves None)."""
     episode: Episode = field(default_factory=Episode)
     """The episode's record (its counters, transcript and contained error)."""
+    row: int = 0
+    """The row's place in its episode: 0 for the first (or only) row, which carries the episode's record. An agent's
+    episode through the proxy (`dppo.agents`) may be several rows (a call that does not extend an earlier row starts
+    one); its rows follow each other and share its reward and advantage."""
 
 
 def topk_cells(tokens: Tensor, logp: Tensor, top_ids: Tensor, top_logp: Tensor) -> tuple[Tensor, Tensor, Tensor]:

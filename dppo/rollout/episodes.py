@@ -208,17 +208,32 @@ class EpisodeSpec:
         return out
 
 
+def first_rows(rollouts: Sequence[Rollout]) -> list[Rollout]:
+    """Each episode's first row (`Rollout.row` 0): the episodes, in order (one per rollout but for an agent's
+    multi-row episodes)."""
+    return [r for r in rollouts if r.row == 0]
+
+
+def row_episodes(rollouts: Sequence[Rollout]) -> Tensor:
+    """[B] int64: the episode (index into `first_rows`) of each row. ValueError when the first rollout is not a first
+    row (an episode's rows follow its first)."""
+    if rollouts and rollouts[0].row != 0:
+        raise ValueError("rollouts: the first rollout is not its episode's first row (Rollout.row 0)")
+    return torch.cumsum(torch.tensor([r.row == 0 for r in rollouts], dtype=torch.long), 0) - 1
+
+
 def episode_rewards(rollouts: Sequence[Rollout]) -> tuple[Tensor, dict[str, int]]:
-    """[B] float32 rewards of scored episodes and the step's reward counts (failures: the environment or the reward
-    raised; timeouts). ValueError for an unscored rollout or a non-finite reward."""
-    missing = [i for i, r in enumerate(rollouts) if r.reward is None]
+    """[E] float32 rewards of the scored episodes (`first_rows`) and the step's reward counts (failures: the
+    environment or the reward raised; timeouts). ValueError for an unscored episode or a non-finite reward."""
+    episodes = first_rows(rollouts)
+    missing = [i for i, r in enumerate(episodes) if r.reward is None]
     if missing:
         raise ValueError(f"rollouts: {len(missing)} responses were not scored by their environment, e.g. #{missing[0]}")
-    out = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
+    out = torch.tensor([float(r.reward) for r in episodes], dtype=torch.float32)
     if not bool(torch.isfinite(out).all()):
         raise ValueError("rollouts: an environment returned a non-finite reward")
-    return out, {"failures": int(sum(r.episode.env_errors for r in rollouts)),
-                 "timeouts": int(sum(r.episode.env_timeouts for r in rollouts))}
+    return out, {"failures": int(sum(r.episode.env_errors for r in episodes)),
+                 "timeouts": int(sum(r.episode.env_timeouts for r in episodes))}
 
 
 SUCCESS_REWARD = 1.0
@@ -226,10 +241,10 @@ SUCCESS_REWARD = 1.0
 
 
 def episode_success(rollouts: Sequence[Rollout], rewards: Tensor) -> Tensor:
-    """[B] bool: whether each scored episode succeeded — the environment's verdict where it gave one
+    """[E] bool: whether each scored episode (`first_rows`) succeeded — the environment's verdict where it gave one
     (`Episode.success`, from `EnvStep.info["success"]`), else reward >= SUCCESS_REWARD. pass@1 and
     `reward/accuracy` are its mean, in evaluation and in training alike; the mean reward is reported beside it."""
-    verdict = torch.tensor([r.episode.success for r in rollouts], dtype=torch.float32)
+    verdict = torch.tensor([r.episode.success for r in first_rows(rollouts)], dtype=torch.float32)
     return torch.where(torch.isnan(verdict), rewards >= SUCCESS_REWARD - 1e-6, verdict > 0.5)
 
 
@@ -276,45 +291,73 @@ class ChatDelta:
         return full[len(self.base):]
 
 
-class _Episode:
-    """One episode's growing token record and transcript."""
+class TokenRecord:
+    """A growing row of tokens after a prompt: generated tokens (mask 1, µ, µ's top-K cells, versions) and inserted
+    environment tokens (mask 0, µ 0, cells invalid, the previous token's version), each tagged with its turn. An
+    episode is one record; an agent's episode through the proxy may be several (`dppo.agents.rows`)."""
 
-    def __init__(self, prompt_index: int, env, prompt_ids: list[int], messages: list[dict]) -> None:
-        self.prompt_index, self.env = prompt_index, env
-        self.prompt_ids, self.messages = prompt_ids, messages
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.prompt_ids = prompt_ids
         self.ids: list[int] = []
         self.logp: list[float] = []
         self.mask: list[bool] = []
         self.turn: list[int] = []
         self.versions: list[int] = []
-        self.cells: list[tuple] = []  # per turn: (ids [t, S], logp, valid) or env placeholder length
+        self.cells: list = []  # per part: (ids [t, S], logp, valid) of generated tokens, or an env part's length
+
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+    def add_generated(self, r: Rollout, turn: int) -> None:
+        n = int(r.response_ids.numel())
+        self.ids += r.response_ids.tolist()
+        self.logp += r.rollout_logp.tolist()
+        self.mask += [True] * n
+        self.turn += [turn] * n
+        versions = r.token_versions if r.token_versions is not None else torch.full((n,), r.weight_version)
+        self.versions += versions.tolist()
+        self.cells.append((r.rollout_topk_ids, r.rollout_topk_logp, r.rollout_topk_valid) if r.rollout_topk_ids is not None else n)
+
+    def add_env(self, ids: list[int], turn: int) -> None:
+        self.ids += ids
+        self.logp += [0.0] * len(ids)
+        self.mask += [False] * len(ids)
+        self.turn += [turn] * len(ids)
+        self.versions += [self.versions[-1]] * len(ids)
+        self.cells.append(len(ids))
+
+    def to_rollout(self, prompt_index: int, finish: str, **fields) -> Rollout:
+        """The record as a `Rollout` (its weight version: the oldest generated token's); `fields` go to it."""
+        mask = torch.tensor(self.mask, dtype=torch.bool)
+        versions = torch.tensor(self.versions, dtype=torch.long)
+        out = Rollout(prompt_index=prompt_index, prompt_ids=torch.tensor(self.prompt_ids, dtype=torch.long),
+                      response_ids=torch.tensor(self.ids, dtype=torch.long),
+                      rollout_logp=torch.tensor(self.logp, dtype=torch.float32), finish_reason=finish,
+                      weight_version=int((versions[mask] if bool(mask.any()) else versions).min()),
+                      token_versions=versions, loss_mask=mask, turn_index=torch.tensor(self.turn, dtype=torch.long),
+                      **fields)
+        widths = [c[0].shape[-1] for c in self.cells if isinstance(c, tuple)]
+        if widths:  # µ's top-K cells of generated tokens; invalid (id 0, log-prob 0) on environment tokens
+            S = widths[0]
+            parts = [c if isinstance(c, tuple) else (torch.zeros((c, S), dtype=torch.long),
+                                                     torch.zeros((c, S)), torch.zeros((c, S), dtype=torch.bool))
+                     for c in self.cells]
+            out.rollout_topk_ids, out.rollout_topk_logp, out.rollout_topk_valid = (torch.cat(p) for p in zip(*parts))
+        return out
+
+
+class _Episode(TokenRecord):
+    """One episode's growing token record and transcript."""
+
+    def __init__(self, prompt_index: int, env, prompt_ids: list[int], messages: list[dict]) -> None:
+        super().__init__(prompt_ids)
+        self.prompt_index, self.env, self.messages = prompt_index, env, messages
         self.reward, self.turns, self.done, self.finish = 0.0, 0, False, "eos"
         self.stats = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_timeouts": 0.0, "tool_truncated": 0.0,
                       "env_errors": 0.0, "env_timeouts": 0.0, "truncated": 0.0, "turns_truncated": 0.0}
         self.stopped = True  # whether the last turn ended with the engine's stop token
         self.error: str | None = None
         self.success = math.nan  # the environment's own verdict, if it gives one (EnvStep.info["success"])
-
-    def context(self) -> list[int]:
-        return self.prompt_ids + self.ids
-
-    def add_generated(self, r: Rollout) -> None:
-        n = int(r.response_ids.numel())
-        self.ids += r.response_ids.tolist()
-        self.logp += r.rollout_logp.tolist()
-        self.mask += [True] * n
-        self.turn += [self.turns] * n
-        versions = r.token_versions if r.token_versions is not None else torch.full((n,), r.weight_version)
-        self.versions += versions.tolist()
-        self.cells.append((r.rollout_topk_ids, r.rollout_topk_logp, r.rollout_topk_valid) if r.rollout_topk_ids is not None else n)
-
-    def add_env(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.logp += [0.0] * len(ids)
-        self.mask += [False] * len(ids)
-        self.turn += [self.turns - 1] * len(ids)  # (the turn it answers)
-        self.versions += [self.versions[-1]] * len(ids)
-        self.cells.append(len(ids))
 
     def end(self, finish: str, error: str | None = None) -> None:
         self.done, self.finish = True, finish
@@ -324,25 +367,10 @@ class _Episode:
             self.error = error
 
     def rollout(self) -> Rollout:
-        mask = torch.tensor(self.mask, dtype=torch.bool)
-        versions = torch.tensor(self.versions, dtype=torch.long)
         text = transcript(self.messages) + (f"\n<error> {self.error}" if self.error else "")
-        out = Rollout(prompt_index=self.prompt_index, prompt_ids=torch.tensor(self.prompt_ids, dtype=torch.long),
-                      response_ids=torch.tensor(self.ids, dtype=torch.long),
-                      rollout_logp=torch.tensor(self.logp, dtype=torch.float32), finish_reason=self.finish,
-                      weight_version=int(versions[mask].min()), token_versions=versions, loss_mask=mask,
-                      turn_index=torch.tensor(self.turn, dtype=torch.long), reward=self.reward,
-                      episode=Episode(completion=text, messages=self.messages, error=self.error,
-                                      turns=float(self.turns), env_tokens=float((~mask).sum()),
-                                      success=self.success, **self.stats))
-        widths = [c[0].shape[-1] for c in self.cells if isinstance(c, tuple)]
-        if widths:  # µ's top-K cells of generated tokens; invalid (id 0, log-prob 0) on environment tokens
-            S = widths[0]
-            parts = [c if isinstance(c, tuple) else (torch.zeros((c, S), dtype=torch.long),
-                                                     torch.zeros((c, S)), torch.zeros((c, S), dtype=torch.bool))
-                     for c in self.cells]
-            out.rollout_topk_ids, out.rollout_topk_logp, out.rollout_topk_valid = (torch.cat(p) for p in zip(*parts))
-        return out
+        episode = Episode(completion=text, messages=self.messages, error=self.error, turns=float(self.turns),
+                          env_tokens=float(self.mask.count(False)), success=self.success, **self.stats)
+        return self.to_rollout(self.prompt_index, self.finish, reward=self.reward, episode=episode)
 
 
 class EpisodeCollector:
@@ -411,7 +439,7 @@ class EpisodeCollector:
             room = spec.max_tokens - len(ep.ids)
             if r.response_ids.numel() > room:  # (episodes with less room than the batch's longest turn)
                 r = _cut(r, room)
-            ep.add_generated(r)
+            ep.add_generated(r, ep.turns)
             ep.turns += 1
             reply = self._delta.tokenizer.decode(r.response_ids.tolist(), skip_special_tokens=True)
             ep.messages.append({"role": "assistant", "content": reply})
@@ -452,7 +480,7 @@ class EpisodeCollector:
                 ep.end("length")  # no room for the environment's answer and another turn
                 continue
             ep.messages.extend(dict(m) for m in step.messages)
-            ep.add_env(ids)
+            ep.add_env(ids, ep.turns - 1)  # (the turn it answers)
 
 
 def _cut(r: Rollout, n: int) -> Rollout:
@@ -475,5 +503,5 @@ def transcript(messages: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["COUNTERS", "ChatDelta", "EpisodeCollector", "EpisodeSpec", "Episodes", "SingleTurnEnv", "engine_prompts",
-           "episode_rewards", "episode_success", "transcript", "turn_seed", "SUCCESS_REWARD"]
+__all__ = ["COUNTERS", "ChatDelta", "TokenRecord", "EpisodeCollector", "EpisodeSpec", "Episodes", "SingleTurnEnv", "engine_prompts",
+           "episode_rewards", "episode_success", "first_rows", "row_episodes", "transcript", "turn_seed", "SUCCESS_REWARD"]

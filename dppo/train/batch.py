@@ -12,6 +12,8 @@ K+1 = µ's top-K plus the sampled token's slot):
 - `weight_version` [B] int64: the engine weights each response was sampled under (started under)
 - `extras["token_version"]` [B, T] int64: the weights of each token, where the engine records it
 - `extras["turn_index"]` [B, T] int64: the assistant turn of each token (episodes only; -1 at padding)
+- `extras["episode"]` [B] int64: each row's episode (= the row, but for an agent's multi-row episodes,
+  `dppo.rollout.episodes.row_episodes`); rewards and advantages come per episode and are read through it
 - `topk_ids`, `topk_logp`, `topk_valid` [B, T, K+1]: µ's top-K cells (None without top-K capture)
 """
 
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from dppo.losses import TokenInputs
 from dppo.rollout.base import Rollout
+from dppo.rollout.episodes import row_episodes
 
 
 @dataclass
@@ -114,6 +117,7 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
             if r.turn_index is not None:
                 turns[i, :r.turn_index.numel()] = r.turn_index
         extras["turn_index"] = turns
+    extras["episode"] = row_episodes(rollouts)  # [B]: each row's episode (an agent's episode may be several rows)
     if all(r.token_versions is not None for r in rollouts):  # [B, T]: the weight version of each token
         versions = torch.zeros((B, T), dtype=torch.long)
         for i, r in enumerate(rollouts):
@@ -145,15 +149,26 @@ def stamp_staleness(batch: RolloutBatch, step: int) -> RolloutBatch:
     return batch
 
 
-def minibatches(B: int, group_size: int, mini_batches: int, *, seed: int, step: int, epoch: int,
+def minibatches(groups: Tensor, mini_batches: int, *, seed: int, step: int, epoch: int,
                 device: torch.device) -> list[Tensor]:
-    """Split the B = P·G sequences into `mini_batches` mini-batches of whole groups, the group order shuffled per
-    epoch and step (seeded; epoch 0 of a single mini-batch keeps the order)."""
-    G, M = group_size, mini_batches
+    """Split the B sequences into `mini_batches` mini-batches of whole groups (`groups` [B]: each sequence's group,
+    non-decreasing: `episode_groups`), the group order shuffled per epoch and step (seeded; epoch 0 of a single
+    mini-batch keeps the order). With G rows per group (single rows) the order is that of G contiguous rows."""
+    groups = groups.cpu()
+    M, n_groups = mini_batches, int(groups[-1]) + 1
     gen = torch.Generator().manual_seed(seed * 7919 + step * 31 + epoch)
-    groups = torch.randperm(B // G, generator=gen) if epoch > 0 or M > 1 else torch.arange(B // G)
-    seqs = (groups[:, None] * G + torch.arange(G)[None, :]).reshape(-1).to(device)
-    return list(seqs.chunk(M))
+    order = torch.randperm(n_groups, generator=gen) if epoch > 0 or M > 1 else torch.arange(n_groups)
+    sizes = torch.bincount(groups, minlength=n_groups)
+    starts = torch.cumsum(sizes, 0) - sizes
+    return [torch.cat([torch.arange(int(starts[g]), int(starts[g] + sizes[g])) for g in chunk.tolist()]).to(device)
+            for chunk in order.chunk(M)]
+
+
+def episode_groups(batch: RolloutBatch, group_size: int) -> Tensor:
+    """[B] int64 on the CPU: each row's group (its episode // G; `extras["episode"]`, set by `collate`; a batch
+    without it has one row per episode)."""
+    episode = batch.extras.get("episode")
+    return (torch.arange(batch.response_ids.shape[0]) if episode is None else episode.cpu()) // group_size
 
 
 def loss_inputs(batch: RolloutBatch, micro: Tensor, scores, old, *, topk_divergence, n_turns: int,

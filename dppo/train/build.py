@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 
 import importlib.util
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dppo.agents.runner import AgentSpec
 from dppo.rewards import RewardRunner
 from dppo.rollout import engine_class
 from dppo.rollout.async_source import AsyncSource
@@ -182,7 +184,8 @@ def absolute_paths(cfg: Config, base: Path) -> Config:
     model = cfg.model.name
     if model not in BUILTIN_MODELS and not Path(model).expanduser().is_absolute() and (base / model).exists():
         model = str((base / model).resolve())
-    return replace(cfg, model={"name": model}, task=task, env={"name": absolute_spec(cfg.env.name, base)})
+    return replace(cfg, model={"name": model}, task=task, env={"name": absolute_spec(cfg.env.name, base)},
+                   agent={"name": absolute_spec(cfg.agent.name, base)})
 
 
 def resolve_config(cfg: Config) -> Config:
@@ -197,7 +200,7 @@ def resolve_config(cfg: Config) -> Config:
     engine, dtype, _ = resolve_rollout(cfg)
     precision, _ = resolve_precision(cfg)
     cfg = replace(absolute_paths(cfg, Path.cwd()), model={"precision": precision.value})
-    if cfg.env.name:  # the environment scores each episode: the task's reward is not used (`resolution_notes`)
+    if cfg.env.name or cfg.agent.name:  # the environment / agent scores each episode: task.reward is not used
         cfg = replace(cfg, task={"reward": ""})
     return replace(cfg, rollout={"engine": engine.value, "dtype": dtype.value, "top_k_logprobs": cfg.top_k_logprobs},
                    loss=cfg.loss.spec().to_dict())
@@ -207,6 +210,9 @@ def resolution_notes(requested: Config) -> list[str]:
     """What resolving `requested` set aside that its user should hear at start (the trainer prints each line)."""
     if requested.env.name and requested.task.reward:
         return [f"[dppo] task.reward {requested.task.reward!r} is not used: environment {requested.env.name!r} "
+                f"scores each episode (config.yaml records reward '')"]
+    if requested.agent.name and requested.task.reward:
+        return [f"[dppo] task.reward {requested.task.reward!r} is not used: agent {requested.agent.name!r} "
                 f"scores each episode (config.yaml records reward '')"]
     return []
 
@@ -314,7 +320,14 @@ def build_episodes(cfg: Config, task=None):
     """The run's environment (`dppo.rollout.episodes.Episodes`): with `env.name` '' a single answer per prompt as a
     one-turn episode scored by `task`'s reward (`SingleTurnEnv`; task None: one that only collects), else the
     multi-turn episodes of that environment (`EpisodeSpec`, with the `env.*` limits)."""
-    e = cfg.env
+    e, a = cfg.env, cfg.agent
+    if a.name:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("agent.name: agents under torchrun are not supported (their episodes' rows differ in "
+                             "number between ranks); run one process, with async rollout workers if needed")
+        return AgentSpec(a.name, max_calls=a.max_calls, max_tokens=e.max_tokens, timeout_s=a.timeout_s,
+                         concurrency=a.concurrency, host=a.host, port=a.port, max_request_bytes=a.max_request_bytes,
+                         max_concurrent_requests=a.max_concurrent_requests)
     if not e.name:
         reward = None if task is None else build_reward_runner(cfg, task)
         return SingleTurnEnv(cfg.rollout.max_new_tokens, reward=reward)
@@ -328,4 +341,6 @@ def check_environment(cfg: Config, examples) -> str | None:
     try:
         return build_episodes(cfg).check(examples[0])
     except (TypeError, ValueError, KeyError) as err:
+        if cfg.agent.name:
+            raise ValueError(str(err) if str(err).startswith("agent.name") else f"agent.name: {err}") from err
         raise ValueError(f"env.name: {err}") from err

@@ -296,6 +296,44 @@ class EnvConfig:
 
 
 @dataclass(frozen=True)
+class AgentConfig:
+    """An agent written against an OpenAI client, trained through dppo's recording proxy (docs/agents.md, "Bring
+    your own agent"): `agent(client, example) -> reward`; each call's tokens, µ and µ's top-K are recorded and joined
+    into rows (a row's response tokens are capped by env.max_tokens, each call by rollout.max_new_tokens)."""
+
+    name: str = ""
+    """The agent function, `module:function` or `path/to/file.py:function` (sync: gets an openai.OpenAI; async:
+    an openai.AsyncOpenAI); '' = off."""
+    max_calls: int = 16
+    """Calls per episode; past it a call is refused (the agent sees an OpenAI error)."""
+    timeout_s: float = 120.0
+    """Longest an episode may run (its agent, all its calls); past it the episode ends with reward 0, counted."""
+    concurrency: int = 0
+    """Episodes running at once (0 = all of the step's prompts_per_step x group_size)."""
+    host: str = "127.0.0.1"
+    """Where the proxy listens. Anything but a loopback address exposes it: then every request needs the run's
+    key (`Authorization: Bearer`, passed as the client's api_key)."""
+    port: int = 0
+    """The proxy's port (0 = a free one)."""
+    max_request_bytes: int = 1 << 20
+    """Largest request body the proxy reads (413 past it)."""
+    max_concurrent_requests: int = 256
+    """Requests in flight at once (429 past it)."""
+
+    def __post_init__(self) -> None:
+        if self.max_calls < 1:
+            _fail("agent.max_calls", f"expected >= 1, got {self.max_calls}")
+        if self.concurrency < 0:
+            _fail("agent.concurrency", f"expected >= 0, got {self.concurrency}")
+        if not 0 <= self.port <= 65535:
+            _fail("agent.port", f"expected 0..65535, got {self.port}")
+        _positive("agent", timeout_s=self.timeout_s, max_request_bytes=self.max_request_bytes,
+                  max_concurrent_requests=self.max_concurrent_requests)
+        if self.name and ":" not in self.name:
+            _fail("agent.name", f"expected 'module:function' or 'path/to/file.py:function', got {self.name!r}")
+
+
+@dataclass(frozen=True)
 class _LossSettings:
     """The policy loss (spec §3-§4): trust region, anchor, importance-weight cap, aggregation. The trust regions'
     own parameters (delta_low, eps_high, relax_alpha, cppo_*, neg_delta, ...) are fields too, one per name in
@@ -532,6 +570,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -558,6 +597,11 @@ class Config:
         if self.env.name and self.rollout.max_new_tokens > self.env.max_tokens:
             _fail("rollout.max_new_tokens", f"{self.rollout.max_new_tokens} (one turn) > env.max_tokens "
                                             f"{self.env.max_tokens} (the whole episode)")
+        if self.agent.name and self.env.name:
+            _fail("agent.name", f"an agent and an environment ({self.env.name!r}) both write the episodes; set one")
+        if self.agent.name and self.rollout.max_new_tokens > self.env.max_tokens:
+            _fail("rollout.max_new_tokens", f"{self.rollout.max_new_tokens} (one call) > env.max_tokens "
+                                            f"{self.env.max_tokens} (a row)")
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
             _fail("loss.anchor", "drpo has no mask to anchor")
         if self.rollout.lora_sync == "adapter" and not self.model.lora_rank:
@@ -616,7 +660,8 @@ class Config:
 
 
 _SECTIONS = {
-    "model": ModelConfig, "rollout": RolloutConfig, "task": TaskConfig, "env": EnvConfig, "loss": LossConfig,
+    "model": ModelConfig, "rollout": RolloutConfig, "task": TaskConfig, "env": EnvConfig, "agent": AgentConfig,
+    "loss": LossConfig,
     "advantage": AdvantageConfig, "optim": OptimConfig, "train": TrainConfig, "log": LogConfig,
 }
 

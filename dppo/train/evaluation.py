@@ -15,7 +15,7 @@ from torch import Tensor
 from dppo.metrics import maj_at_k, pass_at_k, pass_at_k_values
 from dppo.rewards.votes import VoteRule, episode_text, vote_rule
 from dppo.rollout.base import SamplingParams
-from dppo.rollout.episodes import engine_prompts, episode_rewards, episode_success  # (engine_prompts: re-exported for the studies)
+from dppo.rollout.episodes import engine_prompts, episode_rewards, episode_success, first_rows  # (engine_prompts: re-exported for the studies)
 from dppo.rollout.source import EngineSource
 from dppo.rollout.spec import build_engine as engine_from_spec
 from dppo.train.batch import RolloutBatch, collate
@@ -67,12 +67,13 @@ def evaluate(source, examples, params: SamplingParams, *, pad_id: int, ks: Seque
     stats = source.episodes.metrics(rollouts)
     extra = {k: stats[f"episode/{k}_mean"] for k in ("turns", "tool_calls", "tool_errors")
              if f"episode/{k}_mean" in stats}  # (multi-turn environments report them)
-    correct = torch.bincount(torch.tensor([r.prompt_index for r in rollouts]), weights=success.double(),
+    episodes = first_rows(rollouts)  # (an agent's episode may be several rows)
+    correct = torch.bincount(torch.tensor([r.prompt_index for r in episodes]), weights=success.double(),
                              minlength=len(examples))  # successes per example, of its params.n samples
     pass_k = {f"pass@{k}": float(pass_at_k(correct, params.n, k).mean()) for k in ks if k > 1}
     if vote is not None:
         votes: list[list] = [[] for _ in examples]
-        for r, ok in zip(rollouts, success.tolist()):
+        for r, ok in zip(episodes, success.tolist()):
             text = episode_text(r.episode.completion, r.episode.messages)
             votes[r.prompt_index].append((vote(text, examples[r.prompt_index]), float(ok)))
         pass_k.update({f"maj@{k}": sum(m) / len(m) for k in ks

@@ -81,6 +81,14 @@ def python_tool() -> Config:
     return replace(calculator(), env={"name": "python"})
 
 
+def calculator_agent() -> Config:
+    """The calculator preset with the environment written as an OpenAI-client agent
+    (`dppo.agents.examples.calculator:solve`: the same prompt, tool schema and scoring), trained through the
+    recording proxy; the same warm start serves it (`dppo sft --preset calculator`)."""
+    return replace(calculator(), env={"name": ""},
+                   agent={"name": "dppo.agents.examples.calculator:solve", "max_calls": 3})
+
+
 def feedback() -> Config:
     """SmolLM2-135M on chain_sum (2-3 two-digit terms) with retries: a wrong answer is told to try again (up to 3
     turns), a right one on attempt j earns 0.5 ** j. No tools: 24 tokens a turn, as the demo."""
@@ -97,6 +105,7 @@ PRESETS: dict[str, tuple[Callable[[], Config], str]] = {
     "demo": (demo, "SmolLM2-135M + DPPO-Binary-TV on chain_sum (2 one-digit terms); the default of `dppo train`"),
     "calculator": (calculator, "SmolLM2-135M + a calculate tool on 4-5 three-digit terms (after `dppo sft`); 2-core CPU"),
     "python_tool": (python_tool, "the calculator preset with a sandboxed python tool"),
+    "calculator_agent": (calculator_agent, "the calculator task as an OpenAI-client agent, through dppo's proxy"),
     "feedback": (feedback, "SmolLM2-135M on 2-3 two-digit terms; a wrong answer gets 'try again' (3 turns)"),
     "smoke": (smoke, "tiny random model, addition task, 3 steps; finishes in seconds"),
     "paper-sanity": (paper_sanity, "paper's stability-test shape scaled down: 16x8, 4 mini-batches per batch"),

@@ -175,10 +175,11 @@ def loss_diagnostics(stats: dict[str, Tensor], batch: RolloutBatch, micro: Tenso
 
 
 def samples(completions: list[str], rewards: Tensor, batch: RolloutBatch, examples: list, n: int) -> list[dict[str, Any]]:
-    """The first `n` responses of the step as samples.jsonl rows (prompt, completion, answer, reward; for a
-    multi-turn episode also its `episode` record, `_episode_record`)."""
+    """The first `n` rows of the step as samples.jsonl rows (prompt, completion, answer, and the reward of its
+    episode: `rewards` come per episode; for a multi-turn episode also its `episode` record, `_episode_record`)."""
     n = min(n, len(completions))
     idx = batch.prompt_index.tolist()
+    rewards = rewards[batch.extras["episode"].to(rewards.device)] if "episode" in batch.extras else rewards  # per row
     rows = [{"prompt": _prompt_text(examples[idx[i]].prompt), "completion": completions[i],
              "answer": examples[idx[i]].answer, "reward": float(rewards[i])} for i in range(n)]
     if "turn_index" in batch.extras:

@@ -33,7 +33,7 @@ from dppo.rollout.source import Draw
 from dppo.run_files.checkpoint import save_training_checkpoint
 from dppo.run_files.logger import RunLogger
 from dppo.runtime.faults import fault_point
-from dppo.train.batch import RolloutBatch, collate, loss_inputs, minibatches, stamp_staleness
+from dppo.train.batch import RolloutBatch, collate, episode_groups, loss_inputs, minibatches, stamp_staleness
 from dppo.train.batch_stats import mini_batch_statistics
 from dppo.train.build import (announce_rollout, build_episodes, build_model, build_scorer, build_source, build_task,
                               check_environment, check_rollout, resolution_notes, resolve_config, resolve_device)
@@ -168,7 +168,7 @@ class Trainer:
         if skip is not None:  # a broken reward (on any rank): no update from this batch
             return self._skip_step(skip, t_start)
         with timer.time("reward"):  # after the agreement: under torchrun a collective (the global batch's rewards)
-            adv, adv_stats = self._advantages(rewards)
+            adv, adv_stats = self._advantages(rewards, batch.extras["episode"])  # per row, its episode's
         with timer.time("recompute"):
             old = self._recompute(batch) if cfg.loss.anchor == "recompute" or cfg.loss.split_mismatch else None
         with timer.time("training"):
@@ -229,14 +229,14 @@ class Trainer:
         parts = [self._score(batch, micro, grad=False) for micro in idx.split(self.cfg.train.micro_batch_size)]
         return Scores(*(None if part[0] is None else torch.cat(part) for part in zip(*parts)))
 
-    def _advantages(self, rewards: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """Advantages of this rank's rewards, computed over the global batch (under torchrun every rank gathers
-        all ranks' rewards, so batch-level statistics such as group_mean_batch_std's std are the global ones)."""
+    def _advantages(self, rewards: Tensor, rows: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Advantages of this rank's episodes over the global batch (under torchrun every rank gathers all ranks'
+        rewards: batch-level statistics are global), given to each row (`rows`: each row's episode)."""
         a = self.cfg.advantage
         every = self.dist.all_gather_rows(rewards)
         adv, stats = compute_advantages(a.estimator, every, self.cfg.rollout.group_size, eps=a.eps)
         n = rewards.shape[0]
-        return adv[self.dist.rank * n:(self.dist.rank + 1) * n], stats
+        return adv[self.dist.rank * n:(self.dist.rank + 1) * n][rows], stats
 
     def _update(self, batch: RolloutBatch, adv: Tensor, old, timer: StepTimer | None = None) -> dict[str, Any]:
         cfg = self.cfg
@@ -244,7 +244,7 @@ class Trainer:
         acc = StepAccumulator(self.device, self.source.max_staleness, self.episodes.max_turns)
         first = True
         for epoch in range(cfg.train.epochs):
-            for mb in minibatches(batch.response_ids.shape[0], cfg.rollout.group_size, cfg.train.mini_batches,
+            for mb in minibatches(episode_groups(batch, cfg.rollout.group_size), cfg.train.mini_batches,
                                   seed=cfg.train.seed, step=self.step_idx, epoch=epoch, device=self.device):
                 denom = self.dist.global_denominator(aggregation_denominator(batch.loss_mask[mb], cfg.loss.aggregation))
                 batch_stats = mini_batch_statistics(self.loss_spec, batch, mb, old, score=self._score, dist=self.dist,

@@ -1,0 +1,279 @@
+"""The recording proxy and agents (`dppo.agents`) against obviously-correct references: µ and µ's top-K recorded
+through the proxy are a plain fp32 forward of the sampling weights; a multi-call episode's row decodes to exactly
+the chat template's transcript with only the sampled tokens trained; a call that does not extend a row (a template
+that strips earlier reasoning, an edited history) starts a new row; refused sampling parameters get the OpenAI
+error shape naming the field; agents that raise, hang, return garbage or send malformed requests are contained and
+counted; the trainer trains on agent rows, an episode's rows sharing its advantage.
+
+The agents live in tests/data/agents.py and are loaded by file path, as a user's are.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from dppo.agents.chat import RequestError, check_request, reply_message
+from dppo.agents.proxy import Proxy, ProxySettings
+from dppo.agents.runner import AgentSpec
+from dppo.example import Example
+from dppo.rollout.base import SamplingParams
+from dppo.rollout.episodes import episode_rewards, first_rows, row_episodes
+from dppo.rollout.hf import HFEngine
+from dppo.train.batch import collate, minibatches
+from dppo.train.scoring import score_responses_reference
+
+AGENTS = Path(__file__).parent / "data" / "agents.py"
+EXAMPLES = [Example(prompt=({"role": "user", "content": "2+3?"},), answer="5"),
+            Example(prompt=({"role": "user", "content": "17*3?"},), answer="51")]
+K = 4
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(**{"n": 2, "max_new_tokens": 8, "top_k_logprobs": K, "stop_token_ids": (1,), "seed": 3, **kw})
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model, with_logit_bias):
+    """The tiny model, never sampling pad / <|im_start|> / unk (decoded replies are the sampled text)."""
+    return with_logit_bias(tiny_model, {0: -40.0, 2: -40.0, 3: -40.0, 1: 1.0})
+
+
+BATCHES: list[list[int]] = []
+"""The engine calls' sizes of each `collect` (its proxy's `batch_sizes`), newest last."""
+
+
+def collect(name: str, engine, examples=EXAMPLES, p=None, **spec):
+    collector = AgentSpec(f"{AGENTS}:{name}", **{"max_tokens": 128, **spec}).collector()
+    try:
+        return collector(engine, examples, p or params())
+    finally:
+        BATCHES.append(collector.proxy.batch_sizes if collector.proxy else [])
+        collector.close()
+
+
+@pytest.fixture(scope="module")
+def two_call_rows(model, tokenizer):
+    return collect("two_calls", HFEngine(model, tokenizer))
+
+
+def test_mu_and_its_topk_through_the_proxy_are_a_plain_fp32_forward(two_call_rows, model):
+    batch = collate(two_call_rows, pad_id=0)
+    ref = score_responses_reference(model, batch.prompt_ids, batch.response_ids, batch.response_mask,
+                                    topk_ids=batch.rollout_topk_ids)
+    gen = batch.loss_mask
+    assert int(gen.sum()) > 20 and (~gen & batch.response_mask).any()
+    assert torch.allclose(ref.logp[gen], batch.rollout_logp[gen], rtol=0, atol=2e-5)
+    valid = batch.rollout_topk_valid & gen[..., None]
+    assert torch.allclose(ref.topk_logp[valid], batch.rollout_topk_logp[valid], rtol=0, atol=2e-5)
+    assert not batch.rollout_topk_valid[~gen].any() and (batch.rollout_logp[~gen] == 0).all()
+
+
+def test_a_two_call_episode_is_one_row_that_decodes_to_the_templates_transcript(two_call_rows, tokenizer):
+    assert len(two_call_rows) == 4 and [r.row for r in two_call_rows] == [0, 0, 0, 0]
+    for r in two_call_rows:
+        mask, turn = r.loss_mask.tolist(), r.turn_index.tolist()
+        ids = r.response_ids.tolist()
+        first = [t for t, m, j in zip(ids, mask, turn) if m and j == 0]
+        second = [t for t, m, j in zip(ids, mask, turn) if m and j == 1]
+        assert 1 <= len(first) <= 5 and second and r.episode.turns == 2
+        replies = [tokenizer.decode(x, skip_special_tokens=True) for x in (first, second)]
+        messages = [{"role": "user", "content": EXAMPLES[r.prompt_index].prompt[0]["content"]},
+                    {"role": "assistant", "content": replies[0]}, {"role": "user", "content": "again"},
+                    {"role": "assistant", "content": replies[1]}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+        text = tokenizer.decode(r.prompt_ids.tolist() + ids)
+        assert rendered.startswith(text) and rendered[len(text):] in ("", "<|im_end|>\n", "\n")
+        # the generated segments are contiguous and mask 1; everything between them is the template's (mask 0)
+        assert mask[:len(first)] == [True] * len(first) and mask[-len(second):] == [True] * len(second)
+        assert not any(mask[len(first):-len(second)])
+
+
+def test_concurrent_agents_calls_are_batched_into_one_engine_call_per_round(model, tokenizer):
+    engine = HFEngine(model, tokenizer)
+    calls = []
+    generate = engine.generate
+    engine.generate = lambda prompts, p: calls.append(len(prompts)) or generate(prompts, p)
+    rows = collect("two_calls", engine, p=params(n=4))
+    assert len(first_rows(rows)) == 8
+    # first calls (max_tokens 5), then second calls (8): one engine call each
+    assert calls == [8, 8] and BATCHES[-1] == [8, 8]
+
+
+def test_an_async_agent_and_a_posted_reward(model, tokenizer):
+    engine = HFEngine(model, tokenizer)
+    rows = collect("two_calls_async", engine, p=params(n=1))
+    assert len(rows) == 2 and all(r.episode.turns == 2 and r.episode.error is None for r in rows)
+    posted = collect("posts_reward", engine, p=params(n=1))
+    assert [r.reward for r in posted] == [0.25, 0.25]
+
+
+def test_an_edited_history_starts_a_new_row_sharing_the_reward(model, tokenizer):
+    rows = collect("edits_history", HFEngine(model, tokenizer))
+    assert [r.row for r in rows] == [0, 1] * 4 and all(r.reward == 0.5 for r in rows)
+    second = rows[1]
+    assert "edited" in tokenizer.decode(second.prompt_ids.tolist())  # the request as the template renders it
+    assert second.loss_mask.all() and (second.turn_index == 1).all()
+    rewards, _ = episode_rewards(rows)
+    assert rewards.tolist() == [0.5] * 4 and row_episodes(rows).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def _stripping(tokenizer):
+    """A Qwen3-style template: assistant messages before the last user message lose their reasoning (up to '#')."""
+    out = copy.deepcopy(tokenizer)
+    out.chat_template = (
+        "{%- set ns = namespace(last=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
+        "{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+        "{%- for m in messages -%}{%- set c = m.content -%}"
+        "{%- if m.role == 'assistant' and loop.index0 < ns.last -%}{%- set c = c.split('#')[-1] -%}{%- endif -%}"
+        "{{ '<|im_start|>' + m.role + '\n' + c + '<|im_end|>' + '\n' }}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}")
+    return out
+
+
+def test_a_template_that_strips_earlier_reasoning_starts_a_new_row(tiny_model, with_logit_bias, tokenizer):
+    hash_id = tokenizer.convert_tokens_to_ids("#")
+    tok = _stripping(tokenizer)
+    biased = with_logit_bias(tiny_model, {0: -40.0, 2: -40.0, 3: -40.0, 1: -40.0, hash_id: 3.0})
+    rows = collect("two_calls", HFEngine(biased, tok), p=params(n=4))
+    firsts = [r for r in rows if r.row == 0]
+    assert len(firsts) == 8
+    by_episode = {}
+    for r, e in zip(rows, row_episodes(rows).tolist()):
+        by_episode.setdefault(e, []).append(r)
+    split = 0
+    for group in by_episode.values():
+        first_reply = tok.decode([t for t, m, j in zip(group[0].response_ids.tolist(), group[0].loss_mask.tolist(),
+                                                        group[0].turn_index.tolist()) if m and j == 0])
+        if "#" in first_reply:  # the template rewrites it when the second call comes: a new row
+            split += 1
+            assert len(group) == 2 and group[1].row == 1
+            text = tok.decode(group[1].prompt_ids.tolist())
+            assert first_reply.split("#")[-1] + "<|im_end|>" in text and first_reply not in text
+        else:
+            assert len(group) == 1
+    assert split >= 4  # (the bias on '#' makes most first replies hold one)
+
+
+def test_completion_calls_with_token_ids_join_by_ids(model, tokenizer):
+    ids_of = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    examples = [Example(prompt=({"role": "user", "content": "x"},), answer="1", metadata={"ids_of": ids_of})]
+    rows = collect("completions_ids", HFEngine(model, tokenizer), examples=examples, p=params(n=3))
+    assert len(rows) == 3
+    for r in rows:
+        assert r.prompt_ids.tolist() == [5, 6, 7]
+        mask = r.loss_mask.tolist()
+        assert mask.count(True) >= 2 and r.response_ids.tolist()[mask.index(False):][:2] == [8, 9]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": 0.5}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"n": 2}, "n"),
+    ({"logit_bias": {"5": 3}}, "logit_bias"), ({"use_beam_search": True}, "use_beam_search"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"stop": ["\n"]}, "stop"), ({"stream": True}, "stream"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"frobnicate": 1}, "frobnicate"), ({"max_tokens": 0}, "max_tokens")])
+def test_a_refused_sampling_parameter_gets_the_openai_error_shape(model, tokenizer, body, param):
+    proxy = Proxy(ProxySettings())
+    proxy.start()
+    try:
+        proxy.begin(HFEngine(model, tokenizer), params())
+        ep = proxy.open(0, EXAMPLES[0])
+        client = openai.OpenAI(base_url=proxy.base_url(ep), api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                           extra_body=body)
+        error = err.value.response.json()["error"]
+        assert err.value.status_code == 400 and error["type"] == "invalid_request_error"
+        assert error["param"] == param and param in error["message"]
+        assert ep.refused == 1 and ep.calls == 0
+        with pytest.raises(openai.NotFoundError):  # an unknown episode
+            openai.OpenAI(base_url=proxy.base_url(ep).replace(ep.key, "nope"), api_key="x",
+                          max_retries=0).models.list()
+    finally:
+        proxy.stop()
+
+
+def test_exposed_proxy_needs_the_runs_key_and_caps_request_size(model, tokenizer):
+    proxy = Proxy(ProxySettings(host="0.0.0.0", max_request_bytes=2000))
+    proxy.start()
+    try:
+        proxy.begin(HFEngine(model, tokenizer), params())
+        ep = proxy.open(0, EXAMPLES[0])
+        url = proxy.base_url(ep)
+        assert httpx.get(f"{url}/models").status_code == 401
+        assert httpx.get(f"{url}/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert openai.OpenAI(base_url=url, api_key=proxy.key).models.list().data[0].id == "dppo-policy"
+        big = httpx.post(f"{url}/chat/completions", headers={"Authorization": f"Bearer {proxy.key}"},
+                         json={"messages": [{"role": "user", "content": "x" * 5000}]})
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("agent, counter, error", [
+    ("raises", "env_errors", "RuntimeError: boom"), ("hangs", "env_timeouts", "timed out after 2s"),
+    ("returns_garbage", "env_errors", "expected a finite number")])
+def test_an_agent_that_raises_hangs_or_returns_garbage_is_contained_and_counted(model, tokenizer, agent, counter, error):
+    rows = collect(agent, HFEngine(model, tokenizer), p=params(n=1), timeout_s=2.0)
+    eps = first_rows(rows)
+    assert len(eps) == 2 and all(r.reward == 0.0 and getattr(r.episode, counter) == 1.0 for r in eps)
+    assert all(error in r.episode.error and error in r.episode.completion for r in eps)
+    if agent == "returns_garbage":  # no call made: one row, nothing trained
+        assert all(not r.loss_mask.any() for r in rows)
+
+
+def test_malformed_requests_are_refused_counted_and_the_episode_goes_on(model, tokenizer):
+    rows = collect("malformed_then_fine", HFEngine(model, tokenizer), p=params(n=1))
+    spec = AgentSpec(f"{AGENTS}:malformed_then_fine")
+    assert [r.reward for r in rows] == [1.0, 1.0] and all(r.episode.error is None for r in rows)
+    assert spec.metrics(rows)["episode/refused_calls_mean"] == 2.0
+
+
+def test_check_request_and_reply_message_units():
+    req = check_request({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}]},
+                                      {"role": "assistant", "content": None, "tool_calls": [
+                                          {"id": "c1", "type": "function",
+                                           "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}],
+                         "temperature": 1.0, "max_completion_tokens": 7}, "chat", temperature=1.0)
+    assert req.messages == [{"role": "system", "content": "a"},
+                            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "f",
+                                                                                  "arguments": {"x": 1}}]}]
+    assert req.max_tokens == 7
+    with pytest.raises(RequestError, match="messages"):
+        check_request({"messages": []}, "chat", temperature=1.0)
+    message, kind = reply_message('ok <tool_call>{"name": "f", "arguments": {"x": 2}}</tool_call>', 3)
+    assert kind == "tool_calls" and message["content"] == "ok"
+    assert message["tool_calls"] == [{"id": "call_3", "type": "function",
+                                      "function": {"name": "f", "arguments": "{\"x\": 2}"}}]
+    assert reply_message("<tool_call>{bad</tool_call>", 0) == ({"role": "assistant",
+                                                                 "content": "<tool_call>{bad</tool_call>"}, "stop")
+
+
+def test_minibatches_keep_an_episodes_rows_and_its_group_together():
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3])  # rows of 4 groups (rows per group vary)
+    for epoch in range(3):
+        mbs = minibatches(groups, 2, seed=1, step=0, epoch=epoch, device=torch.device("cpu"))
+        assert sorted(torch.cat(mbs).tolist()) == list(range(10))
+        for mb in mbs:
+            gs = set(groups[mb].tolist())
+            assert all(set((groups == g).nonzero().squeeze(1).tolist()) <= set(mb.tolist()) for g in gs)
+
+
+def test_the_trainer_trains_on_agent_rows(tmp_path):
+    from conftest import smoke_config
+    from dppo.train.trainer import Trainer
+
+    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:one_call"}, env={"max_tokens": 16},
+                       train={"steps": 2}, rollout={"engine": "hf"})
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        metrics = trainer.step()
+    finally:
+        trainer.close()
+    assert metrics["episode/turns_mean"] == 1.0 and metrics["episode/rows_mean"] == 1.0
+    assert metrics["episode/env_errors"] == 0 and torch.isfinite(torch.tensor(metrics["loss/policy"]))
