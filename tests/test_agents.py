@@ -105,6 +105,27 @@ def test_concurrent_agents_calls_are_batched_into_one_engine_call_per_round(mode
     assert calls == [8, 8] and BATCHES[-1] == [8, 8]
 
 
+def test_an_agent_makes_exactly_the_rows_of_the_same_loop_as_an_environment(model, tokenizer):
+    """The Scripted environment's loop as an agent: same engine, same seed, so the same samples — and the proxy's
+    rows are the environment's episodes token for token (ids, masks, turns, versions), µ and µ's top-K included."""
+    from dppo.rollout.episodes import EpisodeCollector, EpisodeSpec
+
+    spec = EpisodeSpec(f"{Path(__file__).parent / 'data' / 'scripted_env.py'}:Scripted", {"turns": 3}, max_turns=3,
+                       max_tokens=1000, env_timeout_s=30.0)
+    p = params(n=3)
+    envs = EpisodeCollector(spec)(HFEngine(model, tokenizer), EXAMPLES, p)
+    agents = collect("scripted", HFEngine(model, tokenizer), p=p, max_tokens=1000)
+    assert len(agents) == len(envs) == 6 and [r.row for r in agents] == [0] * 6
+    assert sum(int((~r.loss_mask).sum()) for r in envs) > 20  # (tool answers and inserted stop tokens)
+    for a, e in zip(agents, envs):
+        assert a.prompt_ids.tolist() == e.prompt_ids.tolist() and a.response_ids.tolist() == e.response_ids.tolist()
+        for name in ("loss_mask", "turn_index", "token_versions", "rollout_topk_ids", "rollout_topk_valid"):
+            assert torch.equal(getattr(a, name), getattr(e, name)), name
+        assert torch.allclose(a.rollout_logp, e.rollout_logp, rtol=0, atol=1e-6)
+        assert torch.allclose(a.rollout_topk_logp, e.rollout_topk_logp, rtol=0, atol=1e-6)
+        assert a.reward == e.reward and a.episode.turns == e.episode.turns == 3
+
+
 def test_an_async_agent_and_a_posted_reward(model, tokenizer):
     engine = HFEngine(model, tokenizer)
     rows = collect("two_calls_async", engine, p=params(n=1))
@@ -264,16 +285,111 @@ def test_minibatches_keep_an_episodes_rows_and_its_group_together():
             assert all(set((groups == g).nonzero().squeeze(1).tolist()) <= set(mb.tolist()) for g in gs)
 
 
-def test_the_trainer_trains_on_agent_rows(tmp_path):
+MODES = {"sync": {}, "lagged": {"engine_lag": 1},
+         "async": {"mode": "async", "max_staleness": 1, "worker_threads": 1, "worker_timeout_s": 60.0}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_trainer_trains_on_agent_rows_in_every_mode_and_mu_is_the_sampling_versions(tmp_path, mode):
+    """Through the proxy (in the trainer's process, or in an async rollout worker's), µ on every generated token is
+    the fp32 distribution of the published version that sampled it; the inserted tokens are not trained."""
     from conftest import smoke_config
+    from test_async import _Recording
+
+    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:scripted"}, env={"max_tokens": 120},
+                       rollout={"engine": "hf", "dtype": "float32", "max_new_tokens": 4, **MODES[mode]},
+                       train={"threads": 1, "steps": 3})
+    trainer = _Recording(cfg, tmp_path)
+    try:
+        metrics = [trainer.step() for _ in range(3)]
+        model, live = trainer.model, {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
+        stale = set()
+        for step, batch in trainer.batches:
+            assert (batch.response_mask & ~batch.loss_mask).any()
+            for version in batch.weight_version.unique().tolist():
+                stale.add(step - version)
+                rows = (batch.weight_version == version).nonzero().squeeze(1)
+                model.load_state_dict(trainer.versions[version])
+                with torch.no_grad():
+                    ref = score_responses_reference(model, [batch.prompt_ids[i] for i in rows.tolist()],
+                                                    batch.response_ids[rows].cpu(), batch.response_mask[rows].cpu())
+                gen = batch.loss_mask[rows].cpu()
+                assert torch.allclose(ref.logp[gen], batch.rollout_logp[rows].cpu()[gen], rtol=0, atol=2e-5)
+        model.load_state_dict(live)
+    finally:
+        trainer.close()
+    assert stale == ({0} if mode == "sync" else {0, 1})
+    last = metrics[-1]
+    assert last["episode/turns_mean"] == 3.0 and last["episode/rows_mean"] == 1.0 and last["episode/env_errors"] == 0
+    assert all(f"mismatch/binary_tv_turn_{j}" in last for j in range(3))
+    assert all(torch.isfinite(torch.tensor(m["loss/policy"])) for m in metrics)
+    assert "<tool [env]> result 1" in (tmp_path / "samples.jsonl").read_text()
+
+
+def test_an_episodes_rows_share_its_advantage_in_the_trainer(tmp_path):
+    from conftest import smoke_config
+    from dppo.advantages import compute_advantages
     from dppo.train.trainer import Trainer
 
-    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:one_call"}, env={"max_tokens": 16},
-                       train={"steps": 2}, rollout={"engine": "hf"})
-    trainer = Trainer(cfg, tmp_path)
+    class Recording(Trainer):
+        def _update(self, batch, adv, old, timer=None):
+            self.seen = (batch, adv.clone())
+            return super()._update(batch, adv, old, timer)
+
+    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:edits_history"}, env={"max_tokens": 64},
+                       rollout={"engine": "hf", "max_new_tokens": 4}, train={"steps": 1, "mini_batches": 2})
+    trainer = Recording(cfg, tmp_path)
+    taken = []
+    take = trainer.source.take
+    trainer.source.take = lambda step: taken.append(take(step)) or taken[-1]
     try:
         metrics = trainer.step()
     finally:
         trainer.close()
-    assert metrics["episode/turns_mean"] == 1.0 and metrics["episode/rows_mean"] == 1.0
-    assert metrics["episode/env_errors"] == 0 and torch.isfinite(torch.tensor(metrics["loss/policy"]))
+    _, rollouts = taken[0]
+    batch, adv = trainer.seen
+    G = cfg.rollout.group_size
+    assert metrics["episode/rows_mean"] == 2.0 and batch.response_ids.shape[0] == 2 * len(first_rows(rollouts))
+    rewards, _ = episode_rewards(rollouts)
+    assert rewards.unique().numel() > 1  # (the advantages are not all zero)
+    expected = compute_advantages(cfg.advantage.estimator, rewards, G)[0][row_episodes(rollouts)]
+    assert torch.equal(adv.cpu(), expected)
+
+
+def test_bad_agent_settings_fail_before_any_model_loads(tmp_path, monkeypatch):
+    from conftest import smoke_config
+    from dppo.train import trainer as trainer_module
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(trainer_module, "build_model", no_model)
+    for agent, extra, match in [
+            ({"name": f"{AGENTS}:missing"}, {}, "^agent.name: agent .* has no attribute 'missing'"),
+            ({"name": "no_such_module_x:solve"}, {}, "^agent.name: agent .* cannot import module"),
+            ({"name": f"{AGENTS}:_question"}, {}, "^agent.name: .* must take \\(client, example\\)"),
+            ({"name": "nocolon"}, {}, "^agent.name: expected 'module:function'"),
+            ({"name": f"{AGENTS}:two_calls"}, {"env": {"name": "feedback"}}, "^agent.name: an agent and an environment"),
+            ({"name": f"{AGENTS}:two_calls", "max_calls": 0}, {}, "^agent.max_calls: expected >= 1"),
+            ({"name": f"{AGENTS}:two_calls", "port": 70000}, {}, "^agent.port")]:
+        with pytest.raises(ValueError, match=match):
+            trainer_module.Trainer(smoke_config(tmp_path, agent=agent, **extra), tmp_path)
+
+
+def test_vllm_through_the_proxy_records_mu_and_its_topk_on_generated_tokens(tmp_path, tokenizer, make_tiny_model):
+    pytest.importorskip("vllm")
+    from dppo.rollout.vllm import VLLMEngine
+    from dppo.runtime.models import save_model
+
+    model = make_tiny_model(seed=0, num_heads=2, num_kv_heads=1)  # (vLLM's CPU attention: head size >= 32)
+    path = save_model(model, tokenizer, tmp_path / "m")
+    with VLLMEngine(path, tokenizer, seed=0, max_logprobs=20, kv_cache_gb=0.25) as engine:
+        rows = collect("scripted", engine, examples=EXAMPLES[:1], p=params(n=2), max_tokens=200)
+    batch = collate(rows, pad_id=0)
+    ref = score_responses_reference(model, batch.prompt_ids, batch.response_ids, batch.response_mask,
+                                    topk_ids=batch.rollout_topk_ids)
+    gen = batch.loss_mask
+    assert (~gen & batch.response_mask).any() and all(r.episode.turns == 3 for r in rows)
+    assert torch.allclose(ref.logp[gen], batch.rollout_logp[gen], rtol=0, atol=1e-4)
+    valid = batch.rollout_topk_valid & gen[..., None]
+    assert torch.allclose(ref.topk_logp[valid], batch.rollout_topk_logp[valid], rtol=0, atol=1e-4)

@@ -1,6 +1,6 @@
 """The package's layers only import downward (docs/library.md, "Layout").
 
-    math (dppo/*.py) < runtime < rewards < tasks < envs < rollout < run_files < train < studies, integrations < cli
+    math (dppo/*.py) < runtime < rewards < tasks < envs < rollout < agents < run_files < train < studies, integrations < cli
 
 Every `import dppo...` statement of every module counts, lazy ones inside functions and type-only ones included: a
 layer that reached up (the rollout engine building itself from the trainer's config, say) would fail here, naming
@@ -22,8 +22,8 @@ import pytest
 import dppo
 
 ROOT = Path(dppo.__file__).parent
-RANK = {"math": 0, "runtime": 1, "rewards": 2, "tasks": 3, "envs": 4, "rollout": 5, "run_files": 6, "train": 7,
-        "studies": 8, "integrations": 8, "cli": 9}
+RANK = {"math": 0, "runtime": 1, "rewards": 2, "tasks": 3, "envs": 4, "rollout": 5, "agents": 6, "run_files": 7,
+        "train": 8, "studies": 9, "integrations": 9, "cli": 10}
 """A module may import modules of its own layer or of a lower rank."""
 
 MATH_TIERS = (("_checks", "example", "fused_logprobs"), ("divergence", "advantages", "logprobs"), ("sequence_mask",),

@@ -132,7 +132,7 @@ class Proxy:
         return f"http://{host}:{self.port}/e/{episode.key}/v1"
 
     def open(self, prompt_index: int, example) -> AgentEpisode:
-        ep = AgentEpisode(prompt_index, example, secrets.token_urlsafe(12))
+        ep = AgentEpisode(prompt_index, example, secrets.token_urlsafe(12), order=len(self.episodes))
         self.episodes[ep.key] = ep
         return ep
 
@@ -150,9 +150,21 @@ class Proxy:
             self.tokenizer, self._source = copy.deepcopy(engine.tokenizer), engine.tokenizer
         self.params = params
 
-    def serve(self, engine, params: SamplingParams, *, active: Callable[[], int], finished: Callable[[], bool]) -> None:
+    def serve(self, engine, params: SamplingParams, *, active: Callable[[], int], finished: Callable[[], bool],
+              prefix_tokens: int = 0) -> None:
         """Answer calls with `engine` until `finished()` (every episode ended) and no call waits. A batch is taken
-        when `active()` (episodes running) calls wait, or `batch_wait_s` after the last arrival."""
+        when `active()` (episodes running) calls wait, or `batch_wait_s` after the last arrival; its calls go to
+        the engine in the episodes' order (so a batch is the one an environment's episodes would make). The engine's
+        prefix cache (the hf engine's; `prefix_tokens` positions) is on meanwhile: a call that extends an earlier
+        one prefills only its new tokens."""
+        engine.enable_prefix_cache(prefix_tokens)
+        try:
+            self._serve(engine, params, active, finished)
+        finally:
+            engine.enable_prefix_cache(0)
+            self.params = None
+
+    def _serve(self, engine, params: SamplingParams, active, finished) -> None:
         wait = self.settings.batch_wait_s
         batch = 0
         while True:
@@ -160,12 +172,11 @@ class Proxy:
                 while not self._pending and not finished():
                     self._cond.wait(0.05)
                 if not self._pending:
-                    self.params = None
                     return
                 while len(self._pending) < active() and time.monotonic() < self._last_arrival + wait:
                     self._cond.wait(max(self._last_arrival + wait - time.monotonic(), 0.001))
                 calls, self._pending = self._pending, []
-            calls = [c for c in calls if not self._dropped(c)]
+            calls = sorted((c for c in calls if not self._dropped(c)), key=lambda c: c.episode.order)
             if not calls:
                 continue
             if batch > 0 and engine.between_chunks is not None:  # in-flight updates: newer weights between calls

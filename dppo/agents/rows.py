@@ -80,8 +80,8 @@ def ids_join(row: Row, prompt: list[int]) -> list[int] | None:
 class AgentEpisode:
     """One agent episode: its rows, calls, reward and what went wrong (state lives in the proxy)."""
 
-    def __init__(self, prompt_index: int, example, key: str) -> None:
-        self.prompt_index, self.example, self.key = prompt_index, example, key
+    def __init__(self, prompt_index: int, example, key: str, order: int = 0) -> None:
+        self.prompt_index, self.example, self.key, self.order = prompt_index, example, key, order
         self.rows: list[Row] = []
         self.calls, self.tool_calls, self.refused, self.truncated = 0, 0, 0, 0
         self.reward: float | None = None

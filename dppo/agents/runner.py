@@ -34,6 +34,10 @@ from dppo.rollout.episodes import first_rows
 from dppo.runtime.plugins import load_object
 
 
+PROMPT_ROOM = 1024
+"""Prompt positions per episode the engine's prefix cache is sized for (beside its rows' `max_tokens`)."""
+
+
 def load_agent(name: str):
     """The agent function `name` ('module:function' or 'path/to/file.py:function'), checked to take (client,
     example); ValueError naming it otherwise."""
@@ -146,7 +150,8 @@ class AgentCollector:
         proxy.begin(engine, params)
         done = asyncio.run_coroutine_threadsafe(self._run_all(episodes, state), proxy.loop)
         try:
-            proxy.serve(engine, params, active=lambda: state["active"], finished=lambda: state["left"] == 0)
+            proxy.serve(engine, params, active=lambda: state["active"], finished=lambda: state["left"] == 0,
+                        prefix_tokens=len(episodes) * (self.spec.max_tokens + PROMPT_ROOM))
             done.result()
         finally:
             proxy.close_episodes()

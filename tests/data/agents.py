@@ -30,13 +30,15 @@ async def two_calls_async(client, example):
 
 
 def edits_history(client, example):
-    """The second call changes the first reply before sending it back: not an extension, a new row."""
-    messages = [{"role": "user", "content": _question(example)}]
-    first = client.chat.completions.create(model="policy", messages=messages)
+    """The second call changes the first reply before sending it back: not an extension, a new row. Reward: 0.5,
+    or (`metadata["vary"]`, or a raw-text task) the first reply's length mod 3."""
+    prompt = example.prompt
+    messages = [{"role": "user", "content": prompt if isinstance(prompt, str) else _question(example)}]
+    first = client.chat.completions.create(model="policy", messages=messages).choices[0].message.content or ""
     messages.append({"role": "assistant", "content": "edited"})
     messages.append({"role": "user", "content": "again"})
     client.chat.completions.create(model="policy", messages=messages)
-    return 0.5
+    return float(len(first) % 3) if isinstance(prompt, str) else 0.5
 
 
 def completions_ids(client, example):
@@ -94,3 +96,18 @@ def one_call(client, example):
             break
         digits += ch
     return float(digits == example.answer)
+
+
+def scripted(client, example):
+    """tests/data/scripted_env.py:Scripted (3 turns) written as an agent: each reply but the last is answered by a
+    tool message `result <t>`; the reward is the number of digits the model wrote."""
+    prompt = example.prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    digits = 0
+    for t in range(1, 4):
+        reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message
+        digits += sum(c.isdigit() for c in reply.content or "")
+        messages.append(reply.model_dump(exclude_none=True))
+        if t < 3:
+            messages.append({"role": "tool", "content": f"result {t}"})
+    return float(digits)
