@@ -34,8 +34,10 @@ def run_arm(preset: str, sft: Path, out: Path, args) -> dict:
     from dppo.train.presets import get_preset
     from dppo.train.trainer import Trainer
 
-    train = {"eval_before": True, **({"steps": args.steps} if args.steps else {})}
-    cfg = replace(get_preset(preset), model={"name": str(sft)}, train=train, task={"eval_size": args.eval_size},
+    train = {"eval_before": True, "eval_samples_per_prompt": args.eval_samples,
+             **({"steps": args.steps} if args.steps else {})}
+    model = {"name": str(sft), **({"precision": args.precision} if args.precision else {})}
+    cfg = replace(get_preset(preset), model=model, train=train, task={"eval_size": args.eval_size},
                   log={"tensorboard": False, "progress": False, "run_dir": str(out)})
     t0 = time.perf_counter()
     with Trainer(cfg, out) as trainer:
@@ -52,6 +54,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--eval-size", type=int, default=16, help="held-out questions (the preset's first N)")
     p.add_argument("--steps", type=int, default=0, help="RL steps (default: the preset's, 12)")
+    p.add_argument("--eval-samples", type=int, default=1, help="samples per held-out question")
+    p.add_argument("--precision", default="", help="the trainer's model.precision (default: the preset's, auto)")
     p.add_argument("--sft-steps", type=int, default=3, help="warm-start steps (default 3, as `dppo sft`)")
     p.add_argument("--out", default=None, help="folder for the warm start and the runs (default: a temp dir)")
     args = p.parse_args()
@@ -67,7 +71,8 @@ def main() -> None:
     arms = {name: run_arm(preset, sft, out / name, args)
             for name, preset in (("environment", "calculator"), ("agent", "calculator_agent"))}
 
-    print(f"\ncalculator (chain_sum, 4-5 terms of 3 digits; {args.eval_size} held-out questions, temperature 1), "
+    print(f"\ncalculator (chain_sum, 4-5 terms of 3 digits; {args.eval_size} held-out questions x {args.eval_samples}, "
+          f"temperature 1; trainer precision {args.precision or 'auto'}), "
           f"from one warm start ({args.sft_steps} sft steps, {t_sft:.0f} s)")
     print(f"{'':<34}{'pass@1 before':>14}{'after':>8}{'tool calls':>12}{'step s':>8}{'gen s':>8}")
     for name, label in (("environment", "`calculator` environment"), ("agent", "openai-client agent, proxy")):
@@ -78,7 +83,8 @@ def main() -> None:
     env, agent = arms["environment"]["after"]["pass@1"], arms["agent"]["after"]["pass@1"]
     checks = {"agent_learns": agent >= arms["agent"]["before"]["pass@1"] + MARGIN,
               "agent_like_environment": abs(agent - env) <= TOLERANCE}
-    emit({"benchmark": "agent_learning", "eval_size": args.eval_size, "sft_steps": args.sft_steps,
+    emit({"benchmark": "agent_learning", "eval_size": args.eval_size, "eval_samples": args.eval_samples,
+          "precision": args.precision or "auto", "sft_steps": args.sft_steps,
           "sft_s": t_sft, "arms": arms, "checks": checks})
 
 

@@ -326,7 +326,8 @@ def test_the_trainer_trains_on_agent_rows_in_every_mode_and_mu_is_the_sampling_v
     assert "<tool [env]> result 1" in (tmp_path / "samples.jsonl").read_text()
 
 
-def test_an_episodes_rows_share_its_advantage_in_the_trainer(tmp_path):
+@pytest.mark.parametrize("region", ["dppo_binary_tv", "dppo_topk_kl"])
+def test_an_episodes_rows_share_its_advantage_in_the_trainer(tmp_path, region):
     from conftest import smoke_config
     from dppo.advantages import compute_advantages
     from dppo.train.trainer import Trainer
@@ -337,7 +338,8 @@ def test_an_episodes_rows_share_its_advantage_in_the_trainer(tmp_path):
             return super()._update(batch, adv, old, timer)
 
     cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:edits_history"}, env={"max_tokens": 64},
-                       rollout={"engine": "hf", "max_new_tokens": 4}, train={"steps": 1, "mini_batches": 2})
+                       rollout={"engine": "hf", "max_new_tokens": 4}, train={"steps": 1, "mini_batches": 2},
+                       loss={"trust_region": region})
     trainer = Recording(cfg, tmp_path)
     taken = []
     take = trainer.source.take
@@ -354,6 +356,9 @@ def test_an_episodes_rows_share_its_advantage_in_the_trainer(tmp_path):
     assert rewards.unique().numel() > 1  # (the advantages are not all zero)
     expected = compute_advantages(cfg.advantage.estimator, rewards, G)[0][row_episodes(rollouts)]
     assert torch.equal(adv.cpu(), expected)
+    assert torch.isfinite(torch.tensor(metrics["loss/policy"]))
+    if region == "dppo_topk_kl":  # µ's top-K cells on every row's generated tokens
+        assert batch.rollout_topk_valid[batch.loss_mask].any(-1).all()
 
 
 def test_bad_agent_settings_fail_before_any_model_loads(tmp_path, monkeypatch):
@@ -393,3 +398,30 @@ def test_vllm_through_the_proxy_records_mu_and_its_topk_on_generated_tokens(tmp_
     assert torch.allclose(ref.logp[gen], batch.rollout_logp[gen], rtol=0, atol=1e-4)
     valid = batch.rollout_topk_valid & gen[..., None]
     assert torch.allclose(ref.topk_logp[valid], batch.rollout_topk_logp[valid], rtol=0, atol=1e-4)
+
+
+def test_messages_the_chat_template_cannot_render_are_refused_not_a_server_error(model, tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{%- for m in messages -%}{%- if m.role == 'tool' -%}{{ raise_exception('no tool role') }}"
+                         "{%- endif -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endfor -%}"
+                         "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}")
+    proxy = Proxy(ProxySettings())
+    proxy.start()
+    try:
+        proxy.begin(HFEngine(model, tok), params())
+        ep = proxy.open(0, EXAMPLES[0])
+        answer = httpx.post(f"{proxy.base_url(ep)}/chat/completions",
+                            json={"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]})
+        assert answer.status_code == 400 and "no tool role" in answer.json()["error"]["message"]
+        assert answer.json()["error"]["param"] == "messages"
+    finally:
+        proxy.stop()
+
+
+def test_a_call_past_its_rows_token_budget_is_refused_and_the_episode_counted_truncated(model, tokenizer):
+    rows = collect("two_calls", HFEngine(model, tokenizer), p=params(n=1), max_tokens=12)
+    assert len(rows) == 2
+    for r in rows:  # the first call fits; the second ("again" rendered after it) would pass 12 response tokens
+        assert r.episode.turns == 1 and r.episode.truncated == 1.0 and r.finish_reason == "length"
+        assert "context_length_exceeded" in r.episode.error or "env.max_tokens" in r.episode.error
+        assert r.episode.refused_calls == 1.0

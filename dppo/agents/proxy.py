@@ -316,13 +316,17 @@ class Proxy:
             prompt = tok.encode(prompt, add_special_tokens=False)
         elif prompt is not None and (min(prompt) < 0 or max(prompt) >= len(tok)):
             raise RequestError("prompt: token ids outside the vocabulary", "prompt")
-        row, extra, new = ep.place(req.messages, req.tools, prompt, tok)
+        try:
+            row, extra, new = ep.place(req.messages, req.tools, prompt, tok)
+        except Exception as err:  # noqa: BLE001 - the model's chat template refused these messages (a jinja error)
+            raise RequestError(f"messages: the model's chat template cannot render them: {type(err).__name__}: "
+                               f"{err}", "messages") from err
         room = s.max_tokens - len(row.ids) - len(extra)
         max_new = min(req.max_tokens or self.params.max_new_tokens, self.params.max_new_tokens, room)
         if max_new < 1:
             ep.truncated += 1
             raise RequestError(f"this episode's row holds {len(row.ids) + len(extra)} response tokens, its budget is "
-                               f"{s.max_tokens} (agent.max_tokens)", "messages", code="context_length_exceeded")
+                               f"{s.max_tokens} (env.max_tokens)", "messages", code="context_length_exceeded")
         row.busy = True
         try:
             result = await self._submit(ep, row.context() + extra, max_new)
