@@ -209,9 +209,11 @@ def _in_thread(fn, client, example) -> Future:
 
     def run() -> None:
         try:
-            out.set_result(fn(client, example))
+            value, error = fn(client, example), None
         except BaseException as err:  # noqa: BLE001 - handed to the episode
-            out.set_exception(err)
+            value, error = None, err
+        if out.set_running_or_notify_cancel():  # (False: the episode timed out meanwhile and dropped it)
+            out.set_exception(error) if error is not None else out.set_result(value)
 
     threading.Thread(target=run, name="dppo-agent", daemon=True).start()
     return out
