@@ -93,6 +93,33 @@ def test_mu_and_topk_equal_an_fp32_forward(engine, server_model, temperature):
         assert (r.finish_reason == "eos") == (int(r.response_ids[-1]) in engine.eos_ids)
 
 
+def test_an_agent_through_the_proxy_on_the_server_engine_records_mu_and_its_topk(engine, server_model):
+    """dppo's agent proxy in front of the server engine: a three-call episode's generated tokens carry µ and µ's
+    top-K of an fp32 forward, the tool answers in between are inserted (mask 0)."""
+    from pathlib import Path
+
+    from dppo.agents.runner import AgentSpec
+    from dppo.example import Example
+    from dppo.train.batch import collate
+    from dppo.train.scoring import score_responses_reference
+
+    agent = f"{Path(__file__).parent / 'data' / 'agents.py'}:scripted"
+    collector = AgentSpec(agent, max_tokens=200).collector()
+    try:
+        rows = collector(engine, [Example(prompt=({"role": "user", "content": "2+3?"},), answer="5")],
+                         SamplingParams(n=2, max_new_tokens=6, top_k_logprobs=4, stop_token_ids=(1,), seed=3))
+    finally:
+        collector.close()
+    batch = collate(rows, pad_id=0)
+    ref = score_responses_reference(server_model, batch.prompt_ids, batch.response_ids, batch.response_mask,
+                                    topk_ids=batch.rollout_topk_ids)
+    gen = batch.loss_mask
+    assert all(r.episode.turns == 3 and r.episode.error is None for r in rows) and (~gen & batch.response_mask).any()
+    assert torch.allclose(ref.logp[gen], batch.rollout_logp[gen], rtol=0, atol=1e-4)
+    valid = batch.rollout_topk_valid & gen[..., None]
+    assert torch.allclose(ref.topk_logp[valid], batch.rollout_topk_logp[valid], rtol=0, atol=1e-4)
+
+
 def test_stop_tokens_and_validation(engine):
     (r,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=40, stop_token_ids=tuple(range(100))))
     assert r.finish_reason in ("stop", "eos") and r.response_ids.numel() == 1  # every token stops it
