@@ -9,7 +9,7 @@ each with evaluation before and after (held-out pass@1, same questions, same see
 after RL is within `TOLERANCE` of the environment's and rises over its warm start by `MARGIN`. Prints a table, then
 one JSON line (docs/agents.md "Bring your own agent" quotes it).
 
-    nice .venv/bin/python benchmarks/bench_agent_learning.py                       # ~35 min on 2 free cores
+    nice .venv/bin/python benchmarks/bench_agent_learning.py --precision fp32 --eval-samples 2   # ~19 min, 2 Zen 4 cores
     nice .venv/bin/python benchmarks/bench_agent_learning.py --steps 1 --eval-size 2 --sft-steps 1   # ~6 min
 """
 

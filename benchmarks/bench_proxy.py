@@ -63,12 +63,13 @@ def main() -> None:
 
     import torch
 
-    from dppo.agents.runner import AgentSpec
     from dppo.example import Example
     from dppo.rollout.base import SamplingParams
     from dppo.rollout.episodes import EpisodeSpec
     from dppo.rollout.hf import HFEngine
     from dppo.runtime.models import char_tokenizer, load_model, load_tokenizer, tiny_random_model
+    from dppo.train.build import agent_spec
+    from dppo.train.config import AgentConfig
 
     torch.manual_seed(0)
     if args.model == "tiny":
@@ -85,7 +86,7 @@ def main() -> None:
     params = SamplingParams(n=args.group, max_new_tokens=args.max_new_tokens, seed=7)
     budget = TURNS * (args.max_new_tokens + 32)
     env = EpisodeSpec(f"{here}:Loop", {}, max_turns=TURNS, max_tokens=budget, env_timeout_s=60.0).collector()
-    proxy = AgentSpec(f"{here}:agent", max_tokens=budget, max_calls=TURNS).collector()
+    proxy = agent_spec(AgentConfig(name=f"{here}:agent", max_calls=TURNS), max_tokens=budget).collector()
     times = {"environment": [], "agent": []}
     tokens = {}
     try:

@@ -19,13 +19,15 @@ import pytest
 import torch
 
 from dppo.agents.chat import RequestError, check_request, reply_message
-from dppo.agents.proxy import Proxy, ProxySettings
+from dppo.agents.proxy import Proxy
 from dppo.agents.runner import AgentSpec
 from dppo.example import Example
 from dppo.rollout.base import SamplingParams
 from dppo.rollout.episodes import episode_rewards, first_rows, row_episodes
 from dppo.rollout.hf import HFEngine
 from dppo.train.batch import collate, minibatches
+from dppo.train.build import agent_spec
+from dppo.train.config import AgentConfig
 from dppo.train.scoring import score_responses_reference
 
 AGENTS = Path(__file__).parent / "data" / "agents.py"
@@ -48,8 +50,13 @@ BATCHES: list[list[int]] = []
 """The engine calls' sizes of each `collect` (its proxy's `batch_sizes`), newest last."""
 
 
-def collect(name: str, engine, examples=EXAMPLES, p=None, **spec):
-    collector = AgentSpec(f"{AGENTS}:{name}", **{"max_tokens": 128, **spec}).collector()
+def spec(name: str, max_tokens: int = 128, **agent) -> AgentSpec:
+    """The agent `name` of tests/data/agents.py with the run config's defaults but `agent`'s."""
+    return agent_spec(AgentConfig(name=f"{AGENTS}:{name}", **agent), max_tokens=max_tokens)
+
+
+def collect(name: str, engine, examples=EXAMPLES, p=None, **settings):
+    collector = spec(name, **settings).collector()
     try:
         return collector(engine, examples, p or params())
     finally:
@@ -199,7 +206,7 @@ def test_completion_calls_with_token_ids_join_by_ids(model, tokenizer):
     ({"tool_choice": "required"}, "tool_choice"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"frobnicate": 1}, "frobnicate"), ({"max_tokens": 0}, "max_tokens")])
 def test_a_refused_sampling_parameter_gets_the_openai_error_shape(model, tokenizer, body, param):
-    proxy = Proxy(ProxySettings())
+    proxy = Proxy(spec("two_calls").settings())
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tokenizer), params())
@@ -220,7 +227,7 @@ def test_a_refused_sampling_parameter_gets_the_openai_error_shape(model, tokeniz
 
 
 def test_exposed_proxy_needs_the_runs_key_and_caps_request_size(model, tokenizer):
-    proxy = Proxy(ProxySettings(host="0.0.0.0", max_request_bytes=2000))
+    proxy = Proxy(spec("two_calls", host="0.0.0.0", max_request_bytes=2000).settings())
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tokenizer), params())
@@ -250,9 +257,8 @@ def test_an_agent_that_raises_hangs_or_returns_garbage_is_contained_and_counted(
 
 def test_malformed_requests_are_refused_counted_and_the_episode_goes_on(model, tokenizer):
     rows = collect("malformed_then_fine", HFEngine(model, tokenizer), p=params(n=1))
-    spec = AgentSpec(f"{AGENTS}:malformed_then_fine")
     assert [r.reward for r in rows] == [1.0, 1.0] and all(r.episode.error is None for r in rows)
-    assert spec.metrics(rows)["episode/refused_calls_mean"] == 2.0
+    assert spec("malformed_then_fine").metrics(rows)["episode/refused_calls_mean"] == 2.0
 
 
 def test_check_request_and_reply_message_units():
@@ -295,6 +301,7 @@ def test_the_trainer_trains_on_agent_rows_in_every_mode_and_mu_is_the_sampling_v
     the fp32 distribution of the published version that sampled it; the inserted tokens are not trained."""
     from conftest import smoke_config
     from test_async import _Recording
+    from test_episodes import check_mu_is_the_sampling_versions
 
     cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:scripted"}, env={"max_tokens": 120},
                        rollout={"engine": "hf", "dtype": "float32", "max_new_tokens": 4, **MODES[mode]},
@@ -302,20 +309,7 @@ def test_the_trainer_trains_on_agent_rows_in_every_mode_and_mu_is_the_sampling_v
     trainer = _Recording(cfg, tmp_path)
     try:
         metrics = [trainer.step() for _ in range(3)]
-        model, live = trainer.model, {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
-        stale = set()
-        for step, batch in trainer.batches:
-            assert (batch.response_mask & ~batch.loss_mask).any()
-            for version in batch.weight_version.unique().tolist():
-                stale.add(step - version)
-                rows = (batch.weight_version == version).nonzero().squeeze(1)
-                model.load_state_dict(trainer.versions[version])
-                with torch.no_grad():
-                    ref = score_responses_reference(model, [batch.prompt_ids[i] for i in rows.tolist()],
-                                                    batch.response_ids[rows].cpu(), batch.response_mask[rows].cpu())
-                gen = batch.loss_mask[rows].cpu()
-                assert torch.allclose(ref.logp[gen], batch.rollout_logp[rows].cpu()[gen], rtol=0, atol=2e-5)
-        model.load_state_dict(live)
+        stale = check_mu_is_the_sampling_versions(trainer)
     finally:
         trainer.close()
     assert stale == ({0} if mode == "sync" else {0, 1})
@@ -405,7 +399,7 @@ def test_messages_the_chat_template_cannot_render_are_refused_not_a_server_error
     tok.chat_template = ("{%- for m in messages -%}{%- if m.role == 'tool' -%}{{ raise_exception('no tool role') }}"
                          "{%- endif -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endfor -%}"
                          "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}")
-    proxy = Proxy(ProxySettings())
+    proxy = Proxy(spec("two_calls").settings())
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tok), params())

@@ -298,6 +298,28 @@ MODES = {"sync": {}, "lagged": {"engine_lag": 1},
          "async": {"mode": "async", "max_staleness": 1, "worker_threads": 1, "worker_timeout_s": 60.0}}
 
 
+def check_mu_is_the_sampling_versions(trainer) -> set[int]:
+    """For every batch a `test_async._Recording` trainer trained: environment tokens are there but not trained, and
+    µ on every generated token is the fp32 distribution of the published version that sampled it. Returns the
+    staleness values seen (the trainer's weights are put back)."""
+    model = trainer.model
+    live = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    stale = set()
+    for step, batch in trainer.batches:
+        assert (batch.response_mask & ~batch.loss_mask).any()
+        for version in batch.weight_version.unique().tolist():
+            stale.add(step - version)
+            rows = (batch.weight_version == version).nonzero().squeeze(1)
+            model.load_state_dict(trainer.versions[version])
+            with torch.no_grad():
+                ref = score_responses_reference(model, [batch.prompt_ids[i] for i in rows.tolist()],
+                                                batch.response_ids[rows].cpu(), batch.response_mask[rows].cpu())
+            gen = batch.loss_mask[rows].cpu()
+            assert torch.allclose(ref.logp[gen], batch.rollout_logp[rows].cpu()[gen], rtol=0, atol=2e-5)
+    model.load_state_dict(live)
+    return stale
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_trainer_runs_episodes_in_every_mode_and_mu_is_the_sampling_versions(tmp_path, mode):
     """µ on every generated token equals the fp32 distribution of the published version that sampled it, in sync,
@@ -311,21 +333,7 @@ def test_trainer_runs_episodes_in_every_mode_and_mu_is_the_sampling_versions(tmp
     trainer = _Recording(cfg, tmp_path)
     try:
         metrics = [trainer.step() for _ in range(3)]
-        model = trainer.model
-        live = {n: p.detach().clone() for n, p in model.state_dict().items()}
-        stale = set()
-        for step, batch in trainer.batches:
-            assert (batch.response_mask & ~batch.loss_mask).any()  # environment tokens are there, not trained
-            for version in batch.weight_version.unique().tolist():
-                stale.add(step - version)
-                rows = (batch.weight_version == version).nonzero().squeeze(1)
-                model.load_state_dict(trainer.versions[version])
-                with torch.no_grad():
-                    ref = score_responses_reference(model, [batch.prompt_ids[i] for i in rows.tolist()],
-                                                    batch.response_ids[rows].cpu(), batch.response_mask[rows].cpu())
-                gen = batch.loss_mask[rows].cpu()
-                assert torch.allclose(ref.logp[gen], batch.rollout_logp[rows].cpu()[gen], rtol=0, atol=2e-5)
-        model.load_state_dict(live)
+        stale = check_mu_is_the_sampling_versions(trainer)
     finally:
         trainer.close()
     assert stale == ({0} if mode == "sync" else {0, 1})

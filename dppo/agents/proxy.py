@@ -1,6 +1,6 @@
 """The recording proxy: an OpenAI-compatible HTTP endpoint in front of a dppo engine, which records every call.
 
-    proxy = Proxy(ProxySettings(...)); proxy.start()               # uvicorn in a background thread (FastAPI app)
+    proxy = Proxy(spec.settings()); proxy.start()                  # uvicorn in a background thread (FastAPI app)
     ep = proxy.open(prompt_index, example)                         # an episode; its base URL: proxy.base_url(ep)
     ... agents call /e/<episode key>/v1/chat/completions ...       # (run on proxy.loop)
     proxy.serve(engine, params, busy=lambda: ...)                  # THIS thread runs the engine until agents finish
@@ -40,15 +40,18 @@ from dppo.rollout.episodes import turn_seed
 
 @dataclass(frozen=True)
 class ProxySettings:
-    host: str = "127.0.0.1"
-    port: int = 0
+    """What the proxy enforces (from the run config's `AgentConfig` through `AgentSpec.settings`, which owns the
+    defaults), and how long it waits to fill a batch."""
+
+    host: str
+    port: int
     """0: a free port."""
-    max_calls: int = 16
+    max_calls: int
     """Calls per episode; past it a call is refused (code max_calls)."""
-    max_tokens: int = 256
+    max_tokens: int
     """Response tokens of one row (generated and inserted), as env.max_tokens for episodes."""
-    max_request_bytes: int = 1 << 20
-    max_concurrent: int = 256
+    max_request_bytes: int
+    max_concurrent: int
     batch_wait_s: float = 0.2
     """Longest wait, after the last call arrived, for the other running episodes' calls before a batch is taken."""
     model_name: str = "dppo-policy"
@@ -83,7 +86,6 @@ class Proxy:
         self.tokenizer = None
         self._source = None
         self.params: SamplingParams | None = None
-        self.refused = 0
         self._pending: list[_Call] = []
         self._cond = threading.Condition()
         self._last_arrival = 0.0
@@ -299,7 +301,6 @@ class Proxy:
             return await self._answer(ep, await self._body(request), endpoint)
         except RequestError:
             ep.refused += 1
-            self.refused += 1
             raise
         finally:
             self._in_flight -= 1

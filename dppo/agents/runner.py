@@ -25,7 +25,7 @@ import inspect
 import math
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from dppo.agents.proxy import Proxy, ProxySettings
@@ -55,17 +55,19 @@ def load_agent(name: str):
 
 @dataclass(frozen=True)
 class AgentSpec:
-    """The run's agent episodes (picklable: rollout workers receive it; the proxy is started where it runs)."""
+    """The run's agent episodes (picklable: rollout workers receive it; the proxy is started where it runs). The
+    limits have no defaults here: the run config's `AgentConfig` owns them (`dppo.train.build.agent_spec`)."""
 
     agent: str
-    max_calls: int = 16
-    max_tokens: int = 256
-    timeout_s: float = 120.0
-    concurrency: int = 0
-    host: str = "127.0.0.1"
-    port: int = 0
-    max_request_bytes: int = 1 << 20
-    max_concurrent_requests: int = 256
+    max_calls: int = field(kw_only=True)
+    max_tokens: int = field(kw_only=True)
+    """A row's response tokens (env.max_tokens)."""
+    timeout_s: float = field(kw_only=True)
+    concurrency: int = field(kw_only=True)
+    host: str = field(kw_only=True)
+    port: int = field(kw_only=True)
+    max_request_bytes: int = field(kw_only=True)
+    max_concurrent_requests: int = field(kw_only=True)
 
     @property
     def max_turns(self) -> int:
@@ -83,7 +85,6 @@ class AgentSpec:
         """Nothing to do: each agent returned (or posted) its episode's reward."""
 
     def check(self, example) -> str | None:
-        load_agent(self.agent)
         kind = "async" if inspect.iscoroutinefunction(load_agent(self.agent)) else "sync"
         return (f"[dppo] agent {self.agent!r} ({kind}) through the OpenAI-compatible proxy on {self.host} "
                 f"(a base URL per episode); it runs with this process's rights")

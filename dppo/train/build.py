@@ -34,7 +34,7 @@ from dppo.runtime.hardware import describe
 from dppo.runtime.models import BUILTIN_MODELS, ModelSpec
 from dppo.runtime.plugins import absolute_spec
 from dppo.tasks import TASKS, make_task
-from dppo.train.config import Config, ConfigError, replace
+from dppo.train.config import AgentConfig, Config, ConfigError, replace
 from dppo.train.distributed import decoder_layers
 from dppo.train.scoring import ScoringModule, packed_layout_supported
 from dppo.train.weights import engine_state
@@ -325,13 +325,18 @@ def build_episodes(cfg: Config, task=None):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("agent.name: agents under torchrun are not supported (their episodes' rows differ in "
                              "number between ranks); run one process, with async rollout workers if needed")
-        return AgentSpec(a.name, max_calls=a.max_calls, max_tokens=e.max_tokens, timeout_s=a.timeout_s,
-                         concurrency=a.concurrency, host=a.host, port=a.port, max_request_bytes=a.max_request_bytes,
-                         max_concurrent_requests=a.max_concurrent_requests)
+        return agent_spec(a, max_tokens=e.max_tokens)
     if not e.name:
         reward = None if task is None else build_reward_runner(cfg, task)
         return SingleTurnEnv(cfg.rollout.max_new_tokens, reward=reward)
     return EpisodeSpec(e.name, e.options_dict, max_turns=e.max_turns, max_tokens=e.max_tokens, env_timeout_s=e.timeout_s)
+
+
+def agent_spec(a: AgentConfig, *, max_tokens: int) -> AgentSpec:
+    """The run's agent episodes from its `agent` section (`max_tokens`: a row's response tokens, env.max_tokens)."""
+    return AgentSpec(a.name, max_calls=a.max_calls, max_tokens=max_tokens, timeout_s=a.timeout_s,
+                     concurrency=a.concurrency, host=a.host, port=a.port, max_request_bytes=a.max_request_bytes,
+                     max_concurrent_requests=a.max_concurrent_requests)
 
 
 def check_environment(cfg: Config, examples) -> str | None:
