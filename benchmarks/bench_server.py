@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import chain_sum_examples, demo_steps, emit, model_folder
+from common import chain_sum_examples, cpu_name, demo_steps, emit, model_folder
 
 
 def demo(label: str, extra: list[str], steps: int, out: Path, **env: str) -> dict:
@@ -129,10 +129,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", help="engine dtype of the sync timing (the demo's: auto)")
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the adapter-vs-merged part (0 = skip)")
     args = p.parse_args()
-    import platform
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
+    cpu = cpu_name()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {"vllm": demo("vllm", ["--rollout.engine", "vllm"], args.steps, Path(tmp) / "vllm"),
                 "vllm-server": demo("vllm-server", ["--rollout.engine", "vllm-server"], args.steps,

@@ -206,6 +206,16 @@ def child_result(cmd: list[str], label: str, **env: str) -> dict:
     return json.loads(lines[-1][7:])
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo; the platform's processor string elsewhere), to print beside a time."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
 def emit(payload: dict, **dumps) -> None:
     """Print the benchmark's final line: `payload` as one line of JSON (`dumps`: json.dumps options)."""
     print(json.dumps(payload, **dumps), flush=True)
