@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from dppo.runtime.noise import filtered_stderr, quiet_third_party
+from dppo.runtime.noise import filtered_stderr, progress_bars_wanted, quiet_third_party
 
 
 def _write_fd2(text: str) -> None:
@@ -39,3 +39,31 @@ def test_quiet_third_party_ignores_the_deprecated_reduce_op_warning_only():
         warnings.warn("`torch.distributed.reduce_op` is deprecated, please use ReduceOp", FutureWarning)
         warnings.warn("something the user should see", FutureWarning)
     assert [str(w.message) for w in caught] == ["something the user should see"]
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_model_loading_progress_bars_go_off_where_stderr_is_no_terminal():
+    """transformers' "Loading weights" bar and huggingface_hub's bars redraw hundreds of times into a log file:
+    off when the stream is no terminal, left as they are on a terminal."""
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    try:
+        hf_logging.enable_progress_bar()
+        enable_progress_bars()
+        quiet_third_party(_Stream(tty=True))
+        assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+        quiet_third_party(_Stream(tty=False))
+        assert not hf_logging.is_progress_bar_enabled() and are_progress_bars_disabled()
+    finally:
+        hf_logging.enable_progress_bar()
+        enable_progress_bars()
+    assert progress_bars_wanted(_Stream(tty=True)) and not progress_bars_wanted(_Stream(tty=False))
+    assert not progress_bars_wanted(object())  # a stream without isatty: no bars

@@ -55,7 +55,7 @@ from torch import Tensor, nn
 
 from dppo.rollout.base import FinishReason, EnginePrompt, Rollout, SamplingParams, prompt_token_ids, topk_cells
 from dppo.rollout.model_folder import checked_items, checkpoint_shapes, eos_ids, model_folder, read_json
-from dppo.runtime.noise import filtered_stderr, quiet_third_party
+from dppo.runtime.noise import filtered_stderr, progress_bars_wanted, quiet_third_party
 
 DEFAULT_KV_CACHE_GB = 2
 """KV cache size on CPU when neither `kv_cache_gb` nor ``VLLM_CPU_KVCACHE_SPACE`` is given."""
@@ -151,6 +151,7 @@ class VLLMEngine:
             llm_kwargs.setdefault("gpu_memory_utilization", DEFAULT_GPU_MEMORY_UTILIZATION)
         if kv_cache_gb is not None:
             llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gb * 2**30))
+        llm_kwargs.setdefault("use_tqdm_on_load", progress_bars_wanted())  # no bar redrawn into a log file
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         # vLLM's "auto" would run a float32 checkpoint in bfloat16/float16; keep the checkpoint's dtype instead.

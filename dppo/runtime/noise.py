@@ -7,6 +7,12 @@ extension straight to the process's stderr, so no Python filter reaches it). `qu
 Python filters (warnings and the torch logger); `filtered_stderr()` runs a block with file descriptor 2 going to a
 temporary file and writes back every line but those of `NOISE` afterwards, in order, on success and on error
 alike (an error's own output is never dropped).
+
+Where stderr is no terminal (CI, `nohup`, a log file), the model-loading progress bars of transformers ("Loading
+weights", 272 redraws per load), huggingface_hub and vLLM ("Loading safetensors checkpoint shards") are carriage-
+return noise in the log: `quiet_third_party()` turns the first two off there, and `progress_bars_wanted()` tells an
+engine whether to ask vLLM for its own (`use_tqdm_on_load`). dppo's own per-step line is printed instead
+(`dppo.run_files.logger`).
 """
 
 from __future__ import annotations
@@ -28,11 +34,28 @@ _WARNINGS = (r"`torch\.distributed\.reduce_op` is deprecated", r"`torch\.jit\.sc
 """Python warnings (by message) `quiet_third_party` ignores."""
 
 
-def quiet_third_party() -> None:
-    """Ignore the third-party warnings of the module docstring for the rest of the process (idempotent)."""
+def progress_bars_wanted(stream=None) -> bool:
+    """True where third-party progress bars are drawn on a terminal (`stream`, default sys.stderr, is a TTY)."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def quiet_third_party(stream=None) -> None:
+    """Ignore the third-party warnings of the module docstring for the rest of the process, and turn the
+    model-loading progress bars of transformers and huggingface_hub off where `stream` (default sys.stderr) is no
+    terminal (idempotent)."""
     for message in _WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
+    if not progress_bars_wanted(stream):
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        disable_progress_bars()
 
 
 @contextlib.contextmanager
