@@ -82,6 +82,10 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, labels: list[str] 
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
+    pass_k = axes.flat[[key for key, _ in PANELS].index("eval/pass@k")]
+    if not pass_k.get_lines():  # the training run's own evaluations are in the pass@1 panel
+        pass_k.text(0.5, 0.5, "no checkpoint evaluations yet:\ndppo eval --run-dir DIR --all-steps --k 1,4,8",
+                    ha="center", va="center", transform=pass_k.transAxes, fontsize=9, color="0.4")
     axes.flat[len(PANELS)].axis("off")
     return save_figure(fig, out)
 
