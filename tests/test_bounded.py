@@ -72,3 +72,46 @@ def test_no_limit_waits_and_an_empty_batch_returns_nothing():
     assert bounded_calls([], timeout_s=1.0) == []
     with pytest.raises(ValueError, match="^timeout_s"):
         bounded_calls([lambda: 1], timeout_s=0)
+
+
+def test_threads_are_reused_between_batches_and_an_abandoned_one_rejoins():
+    """The pool: a second batch runs on the first batch's threads (no thread start per call); a timed-out call's
+    thread comes back to the pool once its call returns; each running call's thread is named after it."""
+    together = threading.Barrier(8, timeout=5)  # the 8 calls of a batch run at once: 8 threads
+
+    def call():
+        together.wait()
+        return threading.current_thread()
+
+    first = [o.value for o in bounded_calls([call] * 8, timeout_s=5.0, name="pool-test")]
+    second = [o.value for o in bounded_calls([call] * 8, timeout_s=5.0, name="pool-test")]
+    assert {id(t) for t in second} == {id(t) for t in first} and len(set(map(id, first))) == 8  # (objects kept alive)
+    assert sorted(t.name for t in second) == sorted(f"pool-test-{i}" for i in range(8))
+    release, held = threading.Event(), []
+    [hung] = bounded_calls([lambda: held.append(threading.current_thread()) or release.wait()], timeout_s=0.2)
+    assert hung.status == "timeout"
+    release.set()
+    time.sleep(0.2)  # the abandoned call returns and its thread goes back to the pool
+    together = threading.Barrier(9, timeout=5)
+    third = {id(o.value) for o in bounded_calls([call] * 9, timeout_s=5.0)}
+    assert {id(t) for t in first + held} <= third  # every idle thread taken, the abandoned one's too
+
+
+def _in_child(conn) -> None:
+    out = bounded_calls([lambda i=i: i * i for i in range(5)], timeout_s=5.0)
+    conn.send([o.value for o in out])
+
+
+def test_a_forked_child_runs_bounded_calls():
+    """A child forked after the parent's pool has idle threads (which the child does not have) still runs calls."""
+    import multiprocessing as mp
+
+    bounded_calls([lambda: 1] * 4, timeout_s=5.0)  # idle threads in the parent's pool
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_in_child, args=(child,))
+    proc.start()
+    assert parent.poll(20), "the forked child's bounded calls did not return"
+    assert parent.recv() == [0, 1, 4, 9, 16]
+    proc.join(10)
+    assert proc.exitcode == 0
