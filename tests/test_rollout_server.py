@@ -234,6 +234,14 @@ def test_failure_causes_are_read_from_the_log():
     assert failure_cause("torch.OutOfMemoryError: CUDA out of memory", 1) == "out of memory"
     assert failure_cause("", -signal.SIGKILL) == "killed by SIGKILL (out of memory?)"
     assert failure_cause("ValueError: bad thing\nstack", 1) == "ValueError: bad thing"
+    # a healthy start's INFO lines name the KV cache too: only error lines are read
+    healthy = "INFO [utils.py:347] Using LBHNC KV cache layout.\nINFO max_model_len 512\n"
+    assert failure_cause(healthy + "OSError: no file named config.json in /m", 1) == "the model could not be loaded"
+    assert failure_cause(healthy + "RuntimeError: something else", 1) == "RuntimeError: something else"
+    # the root cause far above the tail, the API server's own error last (as a failed KV-cache start logs it)
+    log = ("ERROR [core.py] ValueError: No available memory for the cache blocks.\n" + "  frame\n" * 100
+           + "RuntimeError: Engine core initialization failed. See root cause above.")
+    assert failure_cause(log, 1) == "not enough memory for the KV cache"
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -41,6 +42,10 @@ _CAUSES = (
     (("config.json", "No such file or directory", "is not a valid", "Invalid repository"), "the model could not be "
                                                                                           "loaded"),
 )
+
+
+_ERROR_LINE = re.compile(r"Error|Errno|bad_alloc")
+"""A log line that reports an error (where `failure_cause` looks)."""
 
 
 class ServerError(RuntimeError):
@@ -62,23 +67,29 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+def log_tail(path: Path, lines: int | None = LOG_TAIL_LINES) -> str:
+    """The log's last `lines` lines (None: its last MiB, whole lines)."""
     try:
-        text = path.read_text(errors="replace").splitlines()
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 2**20))
+            text = f.read().decode(errors="replace").splitlines()
     except OSError:
         return "(no log)"
-    return "\n".join(text[-lines:])
+    return "\n".join(text[-lines:] if lines else text)
 
 
 def failure_cause(log: str, returncode: int | None) -> str:
-    """The likeliest cause of a failed start, read from the server's log (and its exit code)."""
+    """The likeliest cause of a failed start, read from the error lines of the server's log (and its exit code):
+    only lines that carry an error (an exception's name, an errno, bad_alloc), since a healthy start's INFO lines
+    mention the KV cache and max_model_len too."""
     if returncode is not None and returncode == -signal.SIGKILL:
         return "killed by SIGKILL (out of memory?)"
+    errors = [line.strip() for line in log.splitlines() if _ERROR_LINE.search(line)]
     for needles, cause in _CAUSES:
-        if any(n in log for n in needles):
+        if any(n in line for line in errors for n in needles):
             return cause
-    errors = [line.strip() for line in log.splitlines() if "Error" in line]
-    return errors[-1] if errors else f"exit code {returncode}"
+    named = [line for line in errors if "Error" in line]
+    return named[-1] if named else f"exit code {returncode}"
 
 
 @dataclass
@@ -156,7 +167,10 @@ class ServerProcess:
     def describe_exit(self) -> str:
         code = self.proc.poll()
         tail = log_tail(self.log)
-        return (f"{self.name} ({self.url}, pid {self.pid}) exited with code {code}: {failure_cause(tail, code)}; "
+        # the cause from the whole log: the root cause can be far above the tail (the engine core's own traceback,
+        # then the API server's, then more lines under load)
+        cause = failure_cause(log_tail(self.log, None), code)
+        return (f"{self.name} ({self.url}, pid {self.pid}) exited with code {code}: {cause}; "
                 f"log {self.log}:\n{tail}")
 
     def wait_healthy(self, timeout_s: float, healthy) -> None:
