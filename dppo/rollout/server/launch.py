@@ -166,10 +166,11 @@ class ServerProcess:
 
     def describe_exit(self) -> str:
         code = self.proc.poll()
-        tail = log_tail(self.log)
+        log = log_tail(self.log, None)
+        tail = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
         # the cause from the whole log: the root cause can be far above the tail (the engine core's own traceback,
         # then the API server's, then more lines under load)
-        cause = failure_cause(log_tail(self.log, None), code)
+        cause = failure_cause(log, code)
         return (f"{self.name} ({self.url}, pid {self.pid}) exited with code {code}: {cause}; "
                 f"log {self.log}:\n{tail}")
 
