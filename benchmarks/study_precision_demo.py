@@ -2,7 +2,8 @@
 
 Each cell of the grid is one `dppo train` of the demo preset (SmolLM2-135M-Instruct, chain_sum, 8 × 8 per step, 30
 steps, pass@1 over 64 held-out questions × 2 samples before and after) with only three things changed: the method
-(`dppo`: DPPO-Binary-TV δ = 0.15, the demo's; `grpo`: the GRPO ratio clip 0.2/0.2, the `grpo` preset), the
+(`dppo`: DPPO-Binary-TV δ = 0.15, the demo's; `grpo`: the GRPO ratio clip 0.2/0.2, the `grpo` preset; `minirl`,
+`icepop`, `gspo`, `geo-mask`, `tis`: the presets of those names, see `METHODS`), the
 engine's dtype (`--rollout.dtype`: bfloat16 or float16; vLLM as `auto` picks) and the trainer's precision
 (`--model.precision`: fp32, bf16 = bf16 autocast, fp16 = fp16 autocast with a gradient scaler). A cell is named
 `METHOD:ENGINE:TRAINER`, e.g. `dppo:bf16:fp32`.
@@ -15,7 +16,7 @@ holds its final evaluation is not run again, so the command resumes where it sto
 
 Reported per cell: pass@1 before and after (mean, min–max, per seed), the training reward of the first / last 5
 steps, the median step (steps 2–30) and its training / generation parts, mismatch/binary_tv_mean (mean of all steps
-and of the last 5), the masked share (mean), the fp16 scaler's skipped steps and the wall time of the whole run.
+and of the last 5), the masked share (mean; and of the tokens with Â > 0 / Â < 0), the fp16 scaler's skipped steps and the wall time of the whole run.
 Prints a table, then one JSON line.
 
     nice .venv/bin/python benchmarks/study_precision_demo.py --out runs/precision-study \\
@@ -37,8 +38,11 @@ from pathlib import Path
 
 from common import cpu_name, emit  # benchmarks/ is on sys.path when a benchmark runs as a script
 
-METHODS = {"dppo": "demo", "grpo": "grpo"}
-"""The method of a cell -> the preset it runs (the `grpo` preset is the demo with only the loss changed)."""
+METHODS = {"dppo": ("demo", ()), "grpo": ("grpo", ()), "minirl": ("minirl", ()), "icepop": ("icepop", ()),
+           "gspo": ("gspo", ()), "geo-mask": ("geo-mask", ("--loss.sequence-delta", "0.03")), "tis": ("tis", ())}
+"""The method of a cell -> the preset it runs and its flags (every preset but `demo` is the demo with only the loss
+changed; the field's corrections of issue 35 with the parameters its lag-4 study chose on seed 0: IcePop [0.5, 2],
+GSPO 3e-4 / 4e-4, the geometric mask 1 ± 0.03, TIS C = 2)."""
 ENGINE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 TRAINER_PRECISIONS = ("fp32", "bf16", "fp16")
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +85,8 @@ def train(out: Path, cell: str, seed: int, steps: int, extra: list[str]) -> None
         return
     if directory.exists():  # an interrupted run: start it again from scratch (its wall time must be whole)
         shutil.rmtree(directory)
-    cmd = [sys.executable, "-m", "dppo.cli", "train", "--preset", METHODS[method], "--run-dir", str(directory),
+    preset, method_flags = METHODS[method]
+    cmd = [sys.executable, "-m", "dppo.cli", "train", "--preset", preset, *method_flags, "--run-dir", str(directory),
            "--rollout.dtype", ENGINE_DTYPES[engine], "--model.precision", trainer, "--train.seed", str(seed),
            "--train.steps", str(steps), *extra]
     print(f"[study] {directory.name}: dppo {' '.join(cmd[3:])}", flush=True)
@@ -118,7 +123,8 @@ def summarize_run(directory: Path, steps: int) -> dict | None:
         "step_s": median("perf/step_s"), "training_s": median("perf/training_s"),
         "generation_s": median("perf/generation_s"),
         "mismatch_tv": mean("mismatch/binary_tv_mean"), "mismatch_tv_last5": mean("mismatch/binary_tv_mean", rows[-5:]),
-        "masked": mean("trust_region/masked_frac"),
+        "masked": mean("trust_region/masked_frac"), "masked_pos": mean("trust_region/masked_frac_pos"),
+        "masked_neg": mean("trust_region/masked_frac_neg"),
         "scaler_skipped": rows[-1].get("optim/skipped_steps_total", 0.0) if rows else float("nan"),
         "wall_s": json.loads(wall.read_text())["wall_s"] if wall.exists() else float("nan"),
     }
@@ -138,9 +144,24 @@ def summarize(out: Path, cells: list[str], seeds: list[int], steps: int) -> dict
     return table
 
 
+def add_paired(table: dict[str, dict], baseline: str) -> None:
+    """Each cell's pass@1 after, minus the baseline cell's on the same seeds: mean and standard error (n - 1)."""
+    if baseline not in table:
+        raise SystemExit(f"--baseline: {baseline!r} has no finished run among --cells")
+    base = table[baseline]["per_seed"]
+    for cell, row in table.items():
+        diffs = [row["per_seed"][s] - base[s] for s in row["per_seed"] if s in base]
+        se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        row["delta"] = None if cell == baseline or not diffs else {
+            "mean": statistics.fmean(diffs), "se": se, "seeds": len(diffs)}
+
+
 def print_table(table: dict[str, dict]) -> None:
+    def delta(d: dict | None) -> str:
+        return "-" if d is None else f"{d['mean']:+.3f} +- {d['se']:.3f} ({d['seeds']})"
+
     head = ("cell", "seeds", "pass@1 before", "pass@1 after (min-max)", "per seed", "reward first/last 5",
-            "step s", "train s", "gen s", "binary TV (last 5)", "masked", "skipped", "wall min")
+            "step s", "train s", "gen s", "binary TV (last 5)", "masked", "masked A>0 / A<0", "skipped", "wall min", "paired delta (+- SE, seeds)")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for cell, r in table.items():
@@ -149,20 +170,22 @@ def print_table(table: dict[str, dict]) -> None:
               f"{' '.join(f'{v:.3f}' for v in r['per_seed'].values())} | "
               f"{r['reward_first5']:.3f} / {r['reward_last5']:.3f} | {r['step_s']:.1f} | {r['training_s']:.1f} | "
               f"{r['generation_s']:.1f} | {r['mismatch_tv']:.2e} ({r['mismatch_tv_last5']:.2e}) | "
-              f"{100 * r['masked']:.2f}% | {r['scaler_skipped']:.0f} | {r['wall_s'] / 60:.1f} |")
+              f"{100 * r['masked']:.2f}% | {100 * r['masked_pos']:.2f}% / {100 * r['masked_neg']:.2f}% | "
+              f"{r['scaler_skipped']:.0f} | {r['wall_s'] / 60:.1f} | {delta(r.get('delta'))} |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the study's folder (one run directory per cell and seed)")
     p.add_argument("--cells", default="dppo:bf16:fp32,dppo:bf16:bf16",
-                   help="METHOD:ENGINE:TRAINER,... in priority order (method dppo|grpo; engine bf16|fp16|fp32; "
+                   help="METHOD:ENGINE:TRAINER,... in priority order (method " + "|".join(METHODS) + "; engine bf16|fp16|fp32; "
                         "trainer fp32|bf16|fp16)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=30, help="training steps per run (the demo's 30)")
     p.add_argument("--order", choices=("cell", "seed"), default="seed",
                    help="seed: every cell of seed 0, then of seed 1, ... (matched seeds if interrupted); "
                         "cell: all seeds of a cell before the next")
+    p.add_argument("--baseline", help="a cell of --cells: every other cell's pass@1 after minus its, paired by seed")
     p.add_argument("--report", action="store_true", help="only read the runs already there and print the table")
     p.add_argument("extra", nargs="*", help="more `dppo train` flags after `--`, the same for every run")
     args = p.parse_args()
@@ -178,6 +201,8 @@ def main() -> None:
         for cell, seed in order:
             train(out, cell, seed, args.steps, args.extra)
     table = summarize(out, cells, seeds, args.steps)
+    if args.baseline:
+        add_paired(table, args.baseline)
     print(f"CPU: {cpu_name()}; {os.cpu_count()} cores")
     print_table(table)
     emit({"benchmark": "study_precision_demo", "steps": args.steps, "cells": table})
