@@ -250,7 +250,9 @@ def test_a_fork_bomb_is_stopped(layer):
     res = run_python(code, layer=layer, limits=FAST)
     assert time.monotonic() - start < 5
     assert res.exit_code == 0 and res.stdout.startswith("refused after"), res
-    assert int(res.stdout.split()[2]) < FAST.processes and "BlockingIOError" in res.stdout
+    # the rlimit is processes + the sandbox's own helpers; how many of those slots the root's forks win before its
+    # children take the rest depends on scheduling (8 of 8 seen under load), but never all of them
+    assert int(res.stdout.split()[2]) < FAST.processes + sandbox._HELPERS and "BlockingIOError" in res.stdout
     assert _no_leftovers(tag), "the bomb's processes outlived the call"
 
 
