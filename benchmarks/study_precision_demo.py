@@ -2,8 +2,9 @@
 
 Each cell of the grid is one `dppo train` of the demo preset (SmolLM2-135M-Instruct, chain_sum, 8 × 8 per step, 30
 steps, pass@1 over 64 held-out questions × 2 samples before and after) with only three things changed: the method
-(`dppo`: DPPO-Binary-TV δ = 0.15, the demo's; `grpo`: the GRPO ratio clip 0.2/0.2, the `grpo` preset; `minirl`,
-`icepop`, `gspo`, `geo-mask`, `tis`: the presets of those names, see `METHODS`), the
+(`dppo`: DPPO-Binary-TV δ = 0.15, the demo's; `binary-kl`: DPPO-Binary-KL δ = 0.05; `grpo`: the GRPO ratio clip
+0.2/0.2, the `grpo` preset; `clip-higher`, `minirl`, `cispo`, `pg-is`, `icepop`, `gspo`, `geo-mask`, `tis`: the
+presets of those names, see `METHODS`), the
 engine's dtype (`--rollout.dtype`: bfloat16 or float16; vLLM as `auto` picks) and the trainer's precision
 (`--model.precision`: fp32, bf16 = bf16 autocast, fp16 = fp16 autocast with a gradient scaler). A cell is named
 `METHOD:ENGINE:TRAINER`, e.g. `dppo:bf16:fp32`.
@@ -38,8 +39,10 @@ from pathlib import Path
 
 from common import cpu_name, emit  # benchmarks/ is on sys.path when a benchmark runs as a script
 
-METHODS = {"dppo": ("demo", ()), "grpo": ("grpo", ()), "minirl": ("minirl", ()), "icepop": ("icepop", ()),
-           "gspo": ("gspo", ()), "geo-mask": ("geo-mask", ("--loss.sequence-delta", "0.03")), "tis": ("tis", ())}
+METHODS = {"dppo": ("demo", ()), "binary-kl": ("dppo-binary-kl", ()), "grpo": ("grpo", ()),
+           "clip-higher": ("grpo-clip-higher", ()), "minirl": ("minirl", ()), "cispo": ("cispo", ()),
+           "pg-is": ("pg-is", ()), "icepop": ("icepop", ()), "gspo": ("gspo", ()),
+           "geo-mask": ("geo-mask", ("--loss.sequence-delta", "0.03")), "tis": ("tis", ())}
 """The method of a cell -> the preset it runs and its flags (every preset but `demo` is the demo with only the loss
 changed; the field's corrections of issue 35 with the parameters its lag-4 study chose on seed 0: IcePop [0.5, 2],
 GSPO 3e-4 / 4e-4, the geometric mask 1 ± 0.03, TIS C = 2)."""
