@@ -154,14 +154,17 @@ def add_paired(table: dict[str, dict], baseline: str) -> None:
     base = table[baseline]["per_seed"]
     for cell, row in table.items():
         diffs = [row["per_seed"][s] - base[s] for s in row["per_seed"] if s in base]
-        se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None  # one seed: no error estimate
         row["delta"] = None if cell == baseline or not diffs else {
             "mean": statistics.fmean(diffs), "se": se, "seeds": len(diffs)}
 
 
 def print_table(table: dict[str, dict]) -> None:
     def delta(d: dict | None) -> str:
-        return "-" if d is None else f"{d['mean']:+.3f} +- {d['se']:.3f} ({d['seeds']})"
+        if d is None:
+            return "-"
+        se = "n/a" if d["se"] is None else f"{d['se']:.3f}"
+        return f"{d['mean']:+.3f} +- {se} ({d['seeds']})"
 
     head = ("cell", "seeds", "pass@1 before", "pass@1 after (min-max)", "per seed", "reward first/last 5",
             "step s", "train s", "gen s", "binary TV (last 5)", "masked", "masked A>0 / A<0", "skipped", "wall min", "paired delta (+- SE, seeds)")
