@@ -11,7 +11,7 @@ per-token divergences between µ and π are averaged over response tokens:
 - the exact TV over the vocabulary (`dppo.divergence.full_tv`), mean and max;
 - the share of tokens whose exact TV exceeds DPPO's δ = 0.15 (the trust region would mask them at step 0).
 
-Engine variants (what `rollout.dtype` / `rollout.quantization` / `rollout.fp8_activations` build):
+Engine variants (what `rollout.dtype` / `rollout.quantization` / `rollout.hf.fp8_activations` build):
 bf16 (weights and compute in bf16), fp8-w (`dppo.rollout.quantize.fp8_weights`: e4m3, one scale per output channel,
 fp32 compute), fp8-w bf16 (fp8 weights, bf16 compute: what an fp8 engine with bf16 activations computes) and
 fp8-w+a (fp8 weights and per-token fp8 inputs to every decoder linear layer). No time is measured.

@@ -309,6 +309,7 @@ def main() -> None:
     from dppo.rollout.base import SamplingParams
     from dppo.rollout.episodes import EpisodeSpec
     from dppo.train.config import EnvConfig
+    from dppo.rollout.settings import ENGINES
     from dppo.rollout.spec import EngineSpec, build_engine
     from dppo.runtime.hardware import cpu_name
     from dppo.runtime.models import ModelSpec
@@ -320,8 +321,9 @@ def main() -> None:
     examples = [Example(prompt=({"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" (#{i})"},), answer="0")
                 for i in range(n_examples)]
     mspec = ModelSpec(args.model, tiny_hidden=args.tiny_hidden)
-    espec = EngineSpec(mspec, kind=args.engine, dtype="float32", device="cpu", seed=0,
-                       vllm={"kv_cache_gb": 1.0} if args.engine == "vllm" else {})
+    settings = ENGINES[args.engine]()
+    espec = EngineSpec(mspec, settings=dataclasses.replace(settings, kv_cache_gb=1.0) if args.engine == "vllm"
+                       else settings, dtype="float32", device="cpu", seed=0)
     engine = build_engine(espec)
     engine.eos_ids = set()  # every turn exactly --new tokens, ending by length
     if args.engine == "hf":

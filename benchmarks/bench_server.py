@@ -8,7 +8,7 @@
    `reload_weights` and the server's vLLM RL API with dppo's shared-memory transfer (the file write and the
    server's pause / update / resume timed apart), median of `--syncs`.
 
-3. LoRA (`--lora-rank R`, 0 = skip): adapter-only sync (rollout.lora_sync adapter: the adapter file and
+3. LoRA (`--lora-rank R`, 0 = skip): adapter-only sync (rollout.vllm_server.lora_sync adapter: the adapter file and
    `/v1/load_lora_adapter`) against merged sync (the full weights through the RL API): bytes written, seconds per
    sync, and decode speed with the adapter against the merged weights (the demo's chain_sum prompts, 64 × 8 × 24).
 
@@ -47,11 +47,13 @@ def sync_latency(engine_name: str, dtype: str, syncs: int) -> dict:
     import torch
 
     from dppo.rollout import make_engine
+    from dppo.rollout.settings import VLLMServerSettings
     from dppo.runtime.models import load_model
 
     folder = model_folder("smollm2-135m")
     state = load_model(folder).state_dict()
-    engine = make_engine(engine_name, folder, dtype=dtype, kv_cache_gb=1)
+    engine = (make_engine("vllm-server", folder, settings=VLLMServerSettings(kv_cache_gb=1), dtype=dtype)
+              if engine_name == "vllm-server" else make_engine(engine_name, folder, dtype=dtype, kv_cache_gb=1))
     try:
         engine.load_weights(state)  # warm
         times = []
@@ -81,6 +83,7 @@ def lora_sync(rank: int, dtype: str, syncs: int) -> dict:
     from peft import LoraConfig, get_peft_model
 
     from dppo.rollout import SamplingParams, make_engine
+    from dppo.rollout.settings import Adapter, VLLMServerSettings
     from dppo.rollout.episodes import engine_prompts
     from dppo.runtime.models import load_model
     from dppo.train.config import ModelConfig
@@ -98,8 +101,9 @@ def lora_sync(rank: int, dtype: str, syncs: int) -> dict:
     params = SamplingParams(n=8, max_new_tokens=24)
     out = {}
     for mode in ("adapter", "merged"):
-        lora = {"r": rank, "alpha": 2 * rank, "target_modules": targets, "max_loras": 2} if mode == "adapter" else None
-        engine = make_engine("vllm-server", folder, dtype=dtype, kv_cache_gb=1, lora=lora)
+        settings = VLLMServerSettings(kv_cache_gb=1, lora_sync=mode)
+        adapter = Adapter(rank, 2 * rank, tuple(targets)) if mode == "adapter" else None
+        engine = make_engine("vllm-server", folder, settings=settings, dtype=dtype, adapter=adapter)
         try:
             prompts = engine_prompts(examples, engine.tokenizer)
             state = (lambda: engine_state(model, adapter=mode == "adapter"))

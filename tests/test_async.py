@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dppo.rollout.remote import WorkerError
+from dppo.rollout.settings import HFSettings
 from dppo.train.config import ConfigError, replace
 from dppo.train.scoring import score_responses_reference
 from dppo.train.trainer import Trainer
@@ -167,7 +168,6 @@ def test_bad_async_settings_name_the_field(tmp_path, rollout, field, message):
 
 
 def test_missing_devices_and_engines_without_weights_fail_before_any_model_loads(tmp_path, monkeypatch):
-    import dppo.rollout
     import dppo.train.trainer as trainer_module
 
     def no_model(*args, **kwargs):
@@ -177,7 +177,7 @@ def test_missing_devices_and_engines_without_weights_fail_before_any_model_loads
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"^rollout\.devices: 'cuda:3' does not exist on this machine"):
             Trainer(_cfg(tmp_path, devices="cuda:3"), tmp_path)
-    monkeypatch.setitem(dppo.rollout.ENGINES, "hf", "builtins:object")  # an engine class with no load_weights
+    monkeypatch.setattr(HFSettings, "can_receive_weights", False)  # an engine that declares it takes no weights
     with pytest.raises(ConfigError, match=r"^rollout\.engine: 'hf' cannot receive weights"):
         Trainer(_cfg(tmp_path), tmp_path)
 
@@ -419,3 +419,6 @@ def test_in_flight_updates_need_the_local_hf_path(tmp_path):
         _cfg(tmp_path, in_flight_updates=True, backend="ray")
     with pytest.raises(ConfigError, match=r"^rollout\.in_flight_updates: needs rollout\.mode async"):
         _cfg(tmp_path, mode="sync", in_flight_updates=True)
+    with pytest.raises(ConfigError, match=r"^rollout\.in_flight_updates: the vllm engine cannot update in flight "
+                                          r"\(hf, vllm-server can\)"):
+        _cfg(tmp_path, engine="vllm", in_flight_updates=True)

@@ -9,7 +9,8 @@ import pickle
 import pytest
 
 from dppo.rollout.spec import EngineSpec, build_engine
-from dppo.train.build import engine_spec, resolve_config
+from dppo.train.build import engine_spec
+from dppo.train.resolve import resolve_config
 from dppo.train.config import Config, replace
 from dppo.train.presets import get_preset
 from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS
@@ -118,7 +119,7 @@ def test_eval_with_eval_size_0_is_refused_naming_the_field(tmp_path):
 def test_with_an_environment_the_task_reward_is_not_used_and_the_run_says_so():
     """The environment scores each episode (the sum of its turns' rewards): a task.reward beside it (the smoke
     preset's digit_fraction) is recorded as '' in the resolved config, and the start-up notes name it."""
-    from dppo.train.build import resolution_notes
+    from dppo.train.resolve import resolution_notes
 
     cfg = replace(get_preset("smoke"), env={"name": "feedback"})
     assert cfg.task.reward == "digit_fraction" and resolve_config(cfg).task.reward == ""

@@ -62,7 +62,7 @@ def test_auto_engine_rule(device, dtype, has_vllm, expected):
 
 
 def test_this_machine_is_described():
-    from dppo.train.build import resolve_rollout
+    from dppo.train.resolve import resolve_rollout
 
     engine, dtype, _ = resolve_rollout(replace(get_preset("demo"), model={"device": "cpu"}))
     native = any(f in hardware.cpu_flags() for f in hardware.BF16_CPU_FLAGS)
@@ -123,12 +123,12 @@ def test_top_k_defaults_to_20_only_where_a_trust_region_needs_it():
 def test_hf_max_batch_rows_reaches_the_engine(tmp_path):
     from dppo.train.trainer import Trainer
 
-    cfg = smoke_config(tmp_path, rollout={"hf_max_batch_rows": 4})
+    cfg = smoke_config(tmp_path, rollout={"hf": {"max_batch_rows": 4}})
     trainer = Trainer(cfg, tmp_path)
     assert trainer.engine.max_batch_rows == 4
     trainer.close()
-    with pytest.raises(ConfigError, match=r"^rollout\.hf_max_batch_rows: expected >= 0"):
-        replace(get_preset("smoke"), rollout={"hf_max_batch_rows": -1})
+    with pytest.raises(ConfigError, match=r"^rollout\.hf\.max_batch_rows: expected >= 0"):
+        replace(get_preset("smoke"), rollout={"hf": {"max_batch_rows": -1}})
 
 
 def test_gradient_checkpointing_picks_the_packed_layout_and_refuses_shared():
@@ -141,12 +141,27 @@ def test_gradient_checkpointing_picks_the_packed_layout_and_refuses_shared():
         replace(cfg, train={"scoring_layout": "shared"})
 
 
-def test_a_config_written_before_the_registry_fields_still_loads():
+def test_a_config_written_before_the_registry_fields_loads_once_its_moved_fields_are_moved(tmp_path):
     # tests/data/config_before_registry.yaml: the dppo-topk-kl preset as the code before the trust-region registry
-    # carried its parameters (and before rollout.dtype/engine auto) wrote it to a run's config.yaml.
+    # carried its parameters (and before rollout.dtype/engine auto, and before each engine's settings moved to its
+    # node) wrote it to a run's config.yaml: refused naming each moved field and its new place; moved, it loads.
     from pathlib import Path
 
-    cfg = Config.load(Path(__file__).parent / "data" / "config_before_registry.yaml")
+    import yaml
+
+    old = Path(__file__).parent / "data" / "config_before_registry.yaml"
+    with pytest.raises(ConfigError, match=r"^model\.autocast_bf16: .*config_before_registry.yaml was written by an "
+                                          r"older dppo; edit it: model\.autocast_bf16 is now model\.precision .*; "
+                                          r"rollout\.vllm_kv_cache_gb is now rollout\.vllm\.kv_cache_gb .*; "
+                                          r"rollout\.vllm_gpu_memory_utilization is now "
+                                          r"rollout\.vllm\.gpu_memory_utilization$"):
+        Config.load(old)
+    data = yaml.safe_load(old.read_text())
+    data["model"]["precision"] = "bf16" if data["model"].pop("autocast_bf16") else "fp32"
+    data["rollout"]["vllm"] = {"kv_cache_gb": data["rollout"].pop("vllm_kv_cache_gb"),
+                               "gpu_memory_utilization": data["rollout"].pop("vllm_gpu_memory_utilization")}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    cfg = Config.load(tmp_path / "config.yaml")
     assert cfg.loss.trust_region == "dppo_topk_kl" and cfg.loss.relax_side == "both" and cfg.loss.cppo_q is None
     assert cfg.rollout.dtype == "bfloat16" and cfg.top_k_logprobs == 20
-    assert cfg.train.scoring_layout == "auto" and cfg.rollout.hf_max_batch_rows == 0
+    assert cfg.train.scoring_layout == "auto" and cfg.rollout.hf.max_batch_rows == 0

@@ -10,7 +10,7 @@ from torch import nn
 
 from dppo.runtime import hardware
 from dppo.train.batch import collate
-from dppo.train.build import resolve_config
+from dppo.train.resolve import resolve_config
 from dppo.train.config import Config, ConfigError, replace
 from dppo.train.distributed import Dist
 from dppo.train.optim import GuardedOptimizer
@@ -71,12 +71,14 @@ def test_config_yaml_records_the_precision_auto_chose(monkeypatch, env, expected
         hardware.cpu_flags.cache_clear()
 
 
-@pytest.mark.parametrize("old, expected", [(True, "bf16"), (False, "fp32")])
-def test_a_config_yaml_with_the_old_autocast_field_loads_as_its_precision(old, expected):
+@pytest.mark.parametrize("old", [True, False])
+def test_a_config_yaml_with_the_old_autocast_field_is_refused_naming_its_new_place(old):
     data = Config().to_dict()
     data["model"].pop("precision")
     data["model"]["autocast_bf16"] = old
-    assert Config.from_dict(data).model.precision == expected
+    with pytest.raises(ConfigError, match=r"^model\.autocast_bf16: config was written by an older dppo; edit it: "
+                                          r"model\.autocast_bf16 is now model\.precision \(true: bf16, false: fp32\)$"):
+        Config.from_dict(data)
 
 
 def test_autocast_dtype_is_none_when_the_weights_already_have_it():

@@ -21,6 +21,7 @@ import torch
 from conftest import VLLM_MARKS
 
 from dppo.rollout import Engine, SamplingParams, make_engine
+from dppo.rollout.settings import Adapter, VLLMServerSettings
 from dppo.rollout.base import Rollout
 from dppo.rollout.server.launch import ServerError, failure_cause
 
@@ -46,7 +47,7 @@ def model_dir(server_model, tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tokenizer, tmp_path_factory):
-    eng = make_engine("vllm-server", model_dir, tokenizer, servers=1, kv_cache_gb=KV_GB, seed=0,
+    eng = make_engine("vllm-server", model_dir, tokenizer, VLLMServerSettings(kv_cache_gb=KV_GB), seed=0,
                       log_dir=tmp_path_factory.mktemp("server-logs"))
     yield eng
     eng.close()
@@ -192,7 +193,7 @@ def test_a_response_that_spans_an_update_records_each_tokens_version(engine, ser
 @pytest.mark.slow
 def test_attach_to_a_running_server_and_balance_two_clients(engine, model_dir, tokenizer, server_model):
     url = engine.clients[0].url
-    with make_engine("vllm-server", model_dir, tokenizer, urls=[url, url]) as attached:
+    with make_engine("vllm-server", model_dir, tokenizer, VLLMServerSettings(urls=f"{url},{url}")) as attached:
         assert attached.processes == []
         rollouts = attached.generate(PROMPTS * 4, SamplingParams(n=2, max_new_tokens=8, top_k_logprobs=2))
         assert len(rollouts) == 24
@@ -208,7 +209,7 @@ def test_a_server_serving_another_model_is_refused(engine, make_tiny_model, toke
 
     other = save_model(make_tiny_model(seed=0, num_heads=2, num_kv_heads=1, num_layers=3), tokenizer, tmp_path)
     with pytest.raises(ServerError, match="num_hidden_layers: trainer 3, server 2"):
-        make_engine("vllm-server", other, tokenizer, urls=[engine.clients[0].url])
+        make_engine("vllm-server", other, tokenizer, VLLMServerSettings(urls=engine.clients[0].url))
 
 
 # --- faults -------------------------------------------------------------------------------------------------------
@@ -223,10 +224,10 @@ def test_refused_before_start(tmp_path, tokenizer, model_dir):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        from dppo.rollout.server.launch import ServerProcess, ServerSettings
+        from dppo.rollout.server.launch import ServerLaunch, ServerProcess
 
         with pytest.raises(ServerError, match=f"port {port} on 127.0.0.1 is in use"):
-            ServerProcess(ServerSettings(str(model_dir)), name="server-0", log_dir=tmp_path, port=port)
+            ServerProcess(ServerLaunch(str(model_dir)), name="server-0", log_dir=tmp_path, port=port)
 
 
 def test_failure_causes_are_read_from_the_log():
@@ -248,7 +249,8 @@ def test_failure_causes_are_read_from_the_log():
 def test_a_failed_start_names_the_server_its_log_and_cause(model_dir, tokenizer, tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ServerError) as e:
-        make_engine("vllm-server", model_dir, tokenizer, kv_cache_gb=1e-5, log_dir=tmp_path, start_timeout_s=300)
+        make_engine("vllm-server", model_dir, tokenizer, VLLMServerSettings(kv_cache_gb=1e-5, timeout_s=300),
+                    log_dir=tmp_path)
     message = str(e.value)
     assert "server-0" in message and f"log {tmp_path}/server-0-port" in message and "exited" in message
     assert "KV cache" in message or "memory" in message
@@ -258,7 +260,8 @@ def test_a_failed_start_names_the_server_its_log_and_cause(model_dir, tokenizer,
 _OWNER = textwrap.dedent("""
     import sys, time
     from dppo.rollout import make_engine
-    eng = make_engine("vllm-server", sys.argv[1], servers=1, kv_cache_gb=0.25, log_dir=sys.argv[2])
+    from dppo.rollout.settings import VLLMServerSettings
+    eng = make_engine("vllm-server", sys.argv[1], None, VLLMServerSettings(kv_cache_gb=0.25), log_dir=sys.argv[2])
     print(eng.processes[0].pid, flush=True)
     time.sleep(600)
 """)
@@ -321,8 +324,9 @@ def test_adapter_only_sync_serves_each_version_without_a_merge(model_dir, tokeni
     from dppo.train.weights import engine_state
 
     first, second = _peft(make_tiny_model, 1), _peft(make_tiny_model, 2)
-    lora = {"r": 4, "alpha": 8, "target_modules": ("q_proj", "v_proj"), "max_loras": 2}
-    with make_engine("vllm-server", model_dir, tokenizer, kv_cache_gb=KV_GB, log_dir=tmp_path, lora=lora) as eng:
+    settings = VLLMServerSettings(kv_cache_gb=KV_GB, lora_sync="adapter")
+    adapter = Adapter(rank=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    with make_engine("vllm-server", model_dir, tokenizer, settings, log_dir=tmp_path, adapter=adapter) as eng:
         state = engine_state(first, adapter=True)
         assert state and all("lora_" in k for k in state)
         eng.load_weights(state)
@@ -360,8 +364,8 @@ def test_the_trainer_stops_naming_a_dead_server_and_resume_continues(tmp_path):
     from dppo.train.config import replace
     from dppo.train.trainer import Trainer
 
-    cfg = smoke_config(tmp_path, rollout={"engine": "vllm-server", "dtype": "float32", "vllm_kv_cache_gb": KV_GB,
-                                          "server_timeout_s": 120.0},
+    cfg = smoke_config(tmp_path, rollout={"engine": "vllm-server", "dtype": "float32",
+                                          "vllm_server": {"kv_cache_gb": KV_GB, "timeout_s": 120.0}},
                        train={"steps": 3, "checkpoint_every": 1, "threads": 1})
     trainer = Trainer(cfg, tmp_path)
     try:

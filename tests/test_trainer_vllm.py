@@ -71,7 +71,7 @@ class Recorder:
 
 def _config(run_dir, **sections):
     cfg = smoke_config(run_dir, rollout={"engine": "vllm", "dtype": "float32", "prompts_per_step": P, "group_size": G,
-                                         "vllm_kv_cache_gb": 0.25, "vllm_gpu_memory_utilization": 0.1},  # two engines
+                                         "vllm": {"kv_cache_gb": 0.25, "gpu_memory_utilization": 0.1}},  # two engines
                        task={"eval_size": 4}, train={"steps": STEPS})
     return replace(cfg, **sections) if sections else cfg
 

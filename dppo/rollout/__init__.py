@@ -1,6 +1,7 @@
 """Rollout engines: sample responses and record the log-probs of the distribution sampled from (µ).
 
-`make_engine(name, ...)` builds one from the `ENGINES` registry. Engines are imported only when made, so
+`make_engine(name, ...)` builds one from the `ENGINES` registry (`dppo.rollout.settings`: each engine kind's settings
+class, which names its engine class). Engines are imported only when made, so
 `vllm` is imported only by `dppo.rollout.vllm` (and only when that engine is asked for).
 """
 
@@ -9,20 +10,15 @@ from __future__ import annotations
 import importlib
 
 from dppo.rollout.base import Engine, Rollout, SamplingParams
+from dppo.rollout.settings import ENGINES
 
-ENGINES: dict[str, str] = {
-    "hf": "dppo.rollout.hf:HFEngine",
-    "vllm": "dppo.rollout.vllm:VLLMEngine",
-    "vllm-server": "dppo.rollout.server.engine:ServerEngine",
-}
-"""Engine name -> "module:Class" (imported lazily by `engine_class`)."""
 
 
 def engine_class(name: str) -> type:
     """The engine class registered under `name` (imports its module)."""
     if name not in ENGINES:
         raise ValueError(f"name: unknown engine {name!r}; valid names: {', '.join(sorted(ENGINES))}")
-    module, cls = ENGINES[name].split(":")
+    module, cls = ENGINES[name].engine.split(":")
     return getattr(importlib.import_module(module), cls)
 
 

@@ -110,6 +110,15 @@ class HFEngine:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else min(self.eos_ids)
 
+
+    @classmethod
+    def from_spec(cls, spec) -> "HFEngine":
+        """The engine of a `dppo.rollout.spec.EngineSpec` whose settings are `dppo.rollout.settings.HFSettings`: the
+        spec's model in the engine dtype on its device."""
+        dtype = getattr(torch, spec.dtype)
+        model, tokenizer, _ = models.load(spec.model, dtype=dtype)
+        return cls(model.to(spec.device), tokenizer, dtype=dtype, seed=spec.seed, copy=False,
+                   max_batch_rows=spec.settings.max_batch_rows or None)
     def enable_prefix_cache(self, max_tokens: int) -> None:
         """Keep the KV of generated sequences (up to `max_tokens` positions) for prompts that extend them; 0 = off."""
         if max_tokens < 0:

@@ -9,7 +9,7 @@ so as updates grow the weights and sharpen the logits, µ moves further from π.
   (quantise-dequantise at each weight sync). Embeddings and the lm-head stay in the engine's dtype (as in vLLM's
   fp8 checkpoints). The engine then computes exactly what an fp8-weight GEMM with higher-precision accumulation
   computes.
-- Activations (optional, `rollout.fp8_activations`, the `hf` engine): the input of every decoder linear layer is
+- Activations (optional, `rollout.hf.fp8_activations`, the `hf` engine): the input of every decoder linear layer is
   quantised the same way with one scale per token (row), by forward pre-hooks on the engine's copy of the model.
 
 Because the engine samples from the quantised model and records its log-probs, the trust region and the importance
@@ -66,7 +66,7 @@ class QuantizedEngine:
         if activations:
             model = vars(engine).get("model")  # (the hf engine's own module; the vLLM engine has none here)
             if not isinstance(model, nn.Module):
-                raise ValueError("rollout.fp8_activations: needs the hf engine (its model runs in this process)")
+                raise ValueError("rollout.hf.fp8_activations: needs the hf engine (its model runs in this process)")
             self._hooks = add_fp8_activation_hooks(model)
 
     def load_weights(self, weights) -> None:

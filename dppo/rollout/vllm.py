@@ -55,7 +55,9 @@ from torch import Tensor, nn
 
 from dppo.rollout.base import FinishReason, EnginePrompt, Rollout, SamplingParams, prompt_token_ids, topk_cells
 from dppo.rollout.model_folder import checked_items, checkpoint_shapes, eos_ids, model_folder, read_json
+from dppo.runtime import models
 from dppo.runtime.noise import filtered_stderr, progress_bars_wanted, quiet_third_party
+from dppo.trust_region import DEFAULT_TOP_K
 
 DEFAULT_KV_CACHE_GB = 2
 """KV cache size on CPU when neither `kv_cache_gb` nor ``VLLM_CPU_KVCACHE_SPACE`` is given."""
@@ -138,6 +140,18 @@ class VLLMEngine:
         model_config = self.llm.llm_engine.model_config
         self.dtype: torch.dtype = model_config.dtype
         self.max_context = int(model_config.max_model_len)
+
+    @classmethod
+    def from_spec(cls, spec) -> "VLLMEngine":
+        """The engine of a `dppo.rollout.spec.EngineSpec` whose settings are `dppo.rollout.settings.VLLMSettings`:
+        with CUDA vLLM takes `gpu_memory_utilization` of the GPU (it shares it with the trainer), on CPU a KV cache
+        of `kv_cache_gb`. The tiny model (no folder) is handed over as a module, which the engine saves itself."""
+        model, tokenizer, path = models.load(spec.model, dtype=torch.float32)
+        s = spec.settings
+        memory = ({"gpu_memory_utilization": s.gpu_memory_utilization} if torch.cuda.is_available()
+                  else {"kv_cache_gb": s.kv_cache_gb})
+        return cls(path if path is not None else model, tokenizer, dtype=spec.dtype, seed=spec.seed,
+                   max_logprobs=max(DEFAULT_TOP_K, spec.top_k_logprobs), **memory)
 
     def _start_llm(self, dtype, seed, max_model_len, kv_cache_gb, enforce_eager, llm_kwargs):
         """Build `vllm.LLM` in this process with the settings of the module docstring."""

@@ -1,19 +1,18 @@
-"""Build the trainer's parts from a `Config`: task, reward runner, policy model (+LoRA), scorer, and the rollout
-source (the engine spec it is built from, the checks of the rollout set-up on this machine).
+"""Build the trainer's parts from a resolved `Config` (`dppo.train.resolve`): task, reward runner, policy model
+(+LoRA), scorer, the episodes, and the rollout source (the engine spec it is built from, the checks of the rollout
+set-up on this machine).
 
-This is where the run config ends: below it, engines, workers and sources take an `EngineSpec` and explicit
-arguments. The weights an engine loads (`engine_state`) come from `dppo.train.weights`.
+This is where the run config ends: below it, engines, workers and sources take an `EngineSpec` (carrying the chosen
+engine's own settings node as it is) and explicit arguments; components are looked up in their registries, never
+branched on by name. The weights an engine loads (`engine_state`) come from `dppo.train.weights`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import shlex
-
 import importlib.util
 import inspect
+import os
 from pathlib import Path
 
 import torch
@@ -21,23 +20,19 @@ from torch import nn
 
 from dppo.agents.runner import AgentSpec
 from dppo.rewards import RewardRunner
-from dppo.rollout import engine_class
 from dppo.rollout.async_source import AsyncSource
-from dppo.rollout.base import missing_engine_methods
 from dppo.rollout.episodes import EpisodeSpec, SingleTurnEnv
 from dppo.rollout.remote import start_pool
 from dppo.rollout.source import EngineSource
-from dppo.rollout.spec import EngineSpec
-from dppo.rollout.spec import build_engine as from_spec
-from dppo.runtime import hardware, models
-from dppo.runtime.hardware import describe
-from dppo.runtime.models import BUILTIN_MODELS, ModelSpec
-from dppo.runtime.plugins import absolute_spec
+from dppo.rollout.settings import ENGINES, Adapter
+from dppo.rollout.spec import EngineSpec, build_engine
+from dppo.runtime import models
+from dppo.runtime.models import ModelSpec
 from dppo.tasks import TASKS, make_task
-from dppo.train.config import AgentConfig, Config, ConfigError, replace
+from dppo.train.config import AgentConfig, Config, ConfigError
 from dppo.train.distributed import decoder_layers
+from dppo.train.resolve import resolve_device, resolve_rollout
 from dppo.train.scoring import ScoringModule, packed_layout_supported
-from dppo.train.weights import engine_state
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -140,123 +135,25 @@ def build_scorer(cfg: Config, model: nn.Module, dist) -> nn.Module:
     return scorer
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"model.device: {name!r} requested but CUDA is not available")
-    return device
-
-
-def resolve_rollout(cfg: Config) -> tuple:
-    """(engine, engine dtype, warning or None) for this machine: `rollout.engine/dtype: auto` resolved by
-    `dppo.runtime.hardware`, each with its reason."""
-    device = resolve_device(cfg.model.device)
-    dtype, warning = hardware.resolve_dtype(cfg.rollout.dtype, device)
-    return hardware.resolve_engine(cfg.rollout.engine, dtype.value, device), dtype, warning
-
-
-def resolve_precision(cfg: Config) -> tuple:
-    """(training precision, warning or None) for this machine: `model.precision: auto` resolved by
-    `dppo.runtime.hardware.resolve_precision` (bf16 autocast where bf16 is native), with its reason."""
-    return hardware.resolve_precision(cfg.model.precision, resolve_device(cfg.model.device), cfg.model.dtype)
-
-
-FILE_TASK_PATHS = ("path", "eval_path")
-"""The `file` task's options that name a file it reads."""
-
-
-def absolute_paths(cfg: Config, base: Path) -> Config:
-    """`cfg` with every file the run reads made absolute against `base` (the directory the run starts in): a local
-    model folder, the `file` task's data files, and plug-in files (`path/to/file.py:name` as task, reward or
-    environment). A run directory's config.yaml then works from any directory (`--resume`, `dppo eval --run-dir`,
-    `dppo export`); a moved file is an error naming its absolute path. Registry names, `package.module:name` specs
-    and paths already absolute are left as they are (idempotent)."""
-    t = cfg.task
-    task: dict = {"name": absolute_spec(t.name, base), "reward": absolute_spec(t.reward, base)}
-    if t.name == "file":
-        options = t.options_dict
-        given = {k: options[k] for k in FILE_TASK_PATHS if isinstance(options.get(k), str)}
-        if any(not Path(v).expanduser().is_absolute() for v in given.values()):
-            task["options"] = json.dumps({**options, **{k: str((base / Path(v).expanduser()).resolve())
-                                                         for k, v in given.items()}})
-    model = cfg.model.name
-    if model not in BUILTIN_MODELS and not Path(model).expanduser().is_absolute() and (base / model).exists():
-        model = str((base / model).resolve())
-    return replace(cfg, model={"name": model}, task=task, env={"name": absolute_spec(cfg.env.name, base)},
-                   agent={"name": absolute_spec(cfg.agent.name, base)})
-
-
-def resolve_config(cfg: Config) -> Config:
-    """`cfg` with every value the run will use written out: rollout.engine, rollout.dtype and model.precision as
-    `auto` chose them on this machine, rollout.top_k_logprobs as K (20 or 0 when unset), and the loss as its resolved `LossSpec`
-    (`LossConfig.spec`: the chosen trust region's parameters, the sequence mask's δ and DRPO's δ at their defaults
-    when unset; the parameters of the other trust regions stay as given). A run directory's config.yaml holds this,
-    and a resumed run reads exactly it (idempotent: resolving it again changes nothing). Every file the run reads is
-    an absolute path (`absolute_paths`, against the current directory); with an environment, task.reward is ''
-    (the environment scores each episode, the sum of its turns' rewards: a reward given is not used, and the run
-    says so at start, `resolution_notes`)."""
-    engine, dtype, _ = resolve_rollout(cfg)
-    precision, _ = resolve_precision(cfg)
-    cfg = replace(absolute_paths(cfg, Path.cwd()), model={"precision": precision.value})
-    if cfg.env.name or cfg.agent.name:  # the environment / agent scores each episode: task.reward is not used
-        cfg = replace(cfg, task={"reward": ""})
-    return replace(cfg, rollout={"engine": engine.value, "dtype": dtype.value, "top_k_logprobs": cfg.top_k_logprobs},
-                   loss=cfg.loss.spec().to_dict())
-
-
-def resolution_notes(requested: Config) -> list[str]:
-    """What resolving `requested` set aside that its user should hear at start (the trainer prints each line)."""
-    if requested.env.name and requested.task.reward:
-        return [f"[dppo] task.reward {requested.task.reward!r} is not used: environment {requested.env.name!r} "
-                f"scores each episode (config.yaml records reward '')"]
-    if requested.agent.name and requested.task.reward:
-        return [f"[dppo] task.reward {requested.task.reward!r} is not used: agent {requested.agent.name!r} "
-                f"scores each episode (config.yaml records reward '')"]
-    return []
-
-
 def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0, run_dir: Path | None = None):
-    """The run's `EngineSpec` (engine and dtype resolved for this machine): what an in-process engine and every
-    rollout worker are built from. device: the engine's (default: the trainer's). run_dir: where the servers of
-    vllm-server write their logs (<run_dir>/servers; default a temporary folder)."""
-    r = cfg.rollout
-    engine, dtype, _ = resolve_rollout(cfg)
-    vllm = ({"gpu_memory_utilization": r.vllm_gpu_memory_utilization} if torch.cuda.is_available()
-            else {"kv_cache_gb": r.vllm_kv_cache_gb})  # on CUDA vLLM shares the GPU with the trainer
-    if engine.value == "vllm-server":
-        vllm = {"urls": tuple(r.server_url_list), "servers": r.servers, "partial": r.server_partial,
-                "timeout_s": r.server_timeout_s, "start_timeout_s": r.server_timeout_s,
-                "server_args": tuple(shlex.split(r.server_args)), "weights_dir": r.server_weights_dir or None,
-                "kv_cache_gb": r.vllm_kv_cache_gb,
-                "log_dir": str(Path(run_dir) / "servers") if run_dir is not None else None}
-        if r.lora_sync == "adapter":  # adapter slots: the current one and those requests in flight still use
-            m = cfg.model
-            vllm["lora"] = {"r": m.lora_rank, "alpha": m.lora_alpha, "target_modules": tuple(m.lora_target_modules),
-                            "max_loras": r.max_staleness + 2 if r.mode == "async" else 2}
-    return EngineSpec(model_spec(cfg), kind=engine.value, dtype=dtype.value,
-                      device=device or resolve_device(cfg.model.device).type, seed=cfg.train.seed + seed_offset,
+    """The `EngineSpec` of a resolved run config (`dppo.train.resolve.resolve_config`): what an in-process engine
+    and every rollout worker are built from, the chosen engine's settings node carried as it is. device: the
+    engine's (default: the trainer's). run_dir: where an engine with server processes writes their logs
+    (<run_dir>/servers; default a temporary folder)."""
+    r, m = cfg.rollout, cfg.model
+    engine, dtype, _ = resolve_rollout(cfg)  # "as configured" for a resolved config
+    adapter = Adapter(m.lora_rank, m.lora_alpha, tuple(m.lora_target_modules)) if m.lora_rank else None
+    return EngineSpec(model_spec(cfg), settings=getattr(r, ENGINES[engine.value].node()), dtype=dtype.value,
+                      device=device or resolve_device(m.device).type, seed=cfg.train.seed + seed_offset,
                       top_k_logprobs=cfg.top_k_logprobs, quantization=r.quantization,
-                      fp8_activations=r.fp8_activations, hf_max_batch_rows=r.hf_max_batch_rows,
-                      vllm=vllm if engine.value in ("vllm", "vllm-server") else {})
-
-
-def announce_rollout(cfg: Config, announce, *, training: bool = False) -> None:
-    """Say which engine and dtype `auto` chose and why (and the emulated-bf16 warning); `training`: the training
-    precision too (the trainer's start; evaluation and tools only sample)."""
-    engine, dtype, warning = resolve_rollout(cfg)
-    precision, precision_warning = resolve_precision(cfg) if training else (None, None)
-    for line in (describe(engine, dtype, precision), warning and f"[dppo] warning: {warning}",
-                 precision_warning and f"[dppo] warning: {precision_warning}"):
-        if line and announce is not None:
-            announce(line)
+                      log_dir=str(Path(run_dir) / "servers") if run_dir is not None else None, adapter=adapter,
+                      versions_in_flight=r.max_staleness + 2 if r.mode == "async" else 2)
 
 
 def check_rollout(cfg: Config, trainer_device: torch.device) -> None:
     """ConfigError naming the field for a rollout set-up that cannot work on this machine, before any model
-    loads (rollout.mode async: a device this machine does not have, an engine that cannot receive weights, Ray
-    not installed)."""
+    loads: rollout.mode async with a device this machine does not have, or Ray not installed (what the engine can
+    do is checked with the config, `dppo.train.config.check_engine`)."""
     r = cfg.rollout
     if r.mode != "async":
         return
@@ -265,32 +162,15 @@ def check_rollout(cfg: Config, trainer_device: torch.device) -> None:
     if r.backend == "local":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         for device in worker_devices(cfg, trainer_device):
-            if device.startswith("cuda"):
-                index = int(device.split(":")[1]) if ":" in device else 0
-                if index >= gpus:
-                    raise ConfigError(f"rollout.devices: {device!r} does not exist on this machine "
-                                      f"({gpus} CUDA device(s))")
-    engine, _, _ = resolve_rollout(cfg)
-    if r.in_flight_updates and engine.value not in ("hf", "vllm-server"):
-        raise ConfigError(f"rollout.in_flight_updates: needs the hf or vllm-server engine (rollout.engine auto chose "
-                          f"{engine.value!r} here; set rollout.engine hf)")
-    if "load_weights" in missing_engine_methods(engine_class(engine.value)):
-        raise ConfigError(f"rollout.engine: {engine.value!r} cannot receive weights (no load_weights), which "
-                          f"rollout.mode async needs after every optimiser step")
+            index = int(device.split(":")[1]) if ":" in device else 0
+            if device.startswith("cuda") and index >= gpus:
+                raise ConfigError(f"rollout.devices: {device!r} does not exist on this machine "
+                                  f"({gpus} CUDA device(s))")
 
 
 def worker_devices(cfg: Config, trainer_device: torch.device) -> list[str]:
     """async: one device per rollout worker: rollout.devices, or one worker on the trainer's device type."""
     return cfg.rollout.device_list or [trainer_device.type]
-
-
-def build_engine(cfg: Config, model: nn.Module, *, dist=None, seed_offset: int = 0, announce=None):
-    """An in-process engine built from the run's spec, holding `model`'s weights (LoRA merged; under FSDP2 a
-    collective). For evaluation and tools; the trainer's engine lives in its `RolloutSource`."""
-    announce_rollout(cfg, announce)
-    engine = from_spec(engine_spec(cfg, seed_offset=seed_offset))
-    engine.load_weights(engine_state(model, dist))
-    return engine
 
 
 def build_source(cfg: Config, episodes, *, draw, weights: dict[str, torch.Tensor], version: int, position: int,
@@ -302,7 +182,7 @@ def build_source(cfg: Config, episodes, *, draw, weights: dict[str, torch.Tensor
     user gave it: `announce_rollout`)."""
     r = cfg.rollout
     if r.mode == "sync":  # ranks sample differently: engine seed train.seed + rank
-        engine = from_spec(engine_spec(cfg, seed_offset=rank, run_dir=run_dir))
+        engine = build_engine(engine_spec(cfg, seed_offset=rank, run_dir=run_dir))
         return EngineSource(engine, draw, weights=weights, version=version, start_position=position, lag=r.engine_lag,
                             episodes=episodes)
 

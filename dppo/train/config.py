@@ -22,6 +22,7 @@ import yaml
 from dppo._checks import ConfigError
 from dppo.advantages import ADVANTAGES
 from dppo.loss_spec import LossSpec, loss_spec
+from dppo.rollout.settings import ENGINES, EngineSettings
 from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk
 from dppo.run_files.logger import TRACKERS, check_tracker_installed
 
@@ -76,15 +77,23 @@ class ModelConfig:
         _positive("model", lora_alpha=self.lora_alpha, tiny_hidden=self.tiny_hidden, tiny_layers=self.tiny_layers)
 
 
-@dataclass(frozen=True)
-class RolloutConfig:
-    """The inference engine that samples the responses (the rollout policy µ)."""
+EngineKind = Literal[("auto", *ENGINES)]
+"""rollout.engine: auto or a name in `dppo.rollout.settings.ENGINES`."""
 
-    engine: Literal["auto", "hf", "vllm", "vllm-server"] = "auto"
+
+@dataclass(frozen=True)
+class _RolloutSettings:
+    """The rollout: what is sampled (P prompts, G responses each, temperature, length, µ's top-K), by which engine
+    (rollout.engine, whose own settings are its node: rollout.hf, rollout.vllm, rollout.vllm_server, one per
+    `dppo.rollout.settings.ENGINES` entry; a node of an engine the run does not use is refused), the mismatch
+    emulations (fp8 weights, a lagging engine) and where the engine runs (sync, or async rollout workers).""" 
+
+    engine: EngineKind = "auto"
     """auto = the faster engine for the hardware and engine dtype (dppo.runtime.hardware.resolve_engine): vllm on CUDA
     and on CPUs in bf16; hf on CPUs in float32 (it shares each prompt's prefix across its G samples). vllm
-    only when importable. vllm-server = vLLM's own server processes (started by dppo, or rollout.server_urls),
-    weights through vLLM's weight-update API (docs/engines.md); never chosen by auto."""
+    only when importable. vllm-server = vLLM's own server processes (started by dppo, or rollout.vllm_server.urls),
+    weights through vLLM's weight-update API (docs/engines.md); never chosen by auto. Each engine's own settings
+    are its node (rollout.hf, rollout.vllm, rollout.vllm_server)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype the engine samples in. auto = bfloat16 where it is native (CUDA with bf16; CPUs with avx512_bf16 or
     AMX), float32 otherwise (emulated bf16 is 3-4x slower). bf16 vs an fp32 trainer is a real mismatch; float16
@@ -100,14 +109,10 @@ class RolloutConfig:
     top_k_logprobs: int | None = None
     """K: record µ's top-K log-probs per token (0 = off). None = 20 when the trust region needs them (Top-K
     TV/KL), else 0."""
-    hf_max_batch_rows: int = 0
-    """hf engine: most responses decoded together (whole prompts per batch; bounds the KV cache); 0 = all P·G."""
     quantization: Literal["none", "fp8"] = "none"
     """fp8 = the engine samples from float8 e4m3 weights (one scale per output channel, quantised at every weight
     sync; dppo.rollout.quantize) and records that model's log-probs as µ: cheap inference and a mismatch that
     grows with the weights' scale."""
-    fp8_activations: bool = False
-    """With quantization fp8 and the hf engine: also quantise every decoder linear layer's input per token."""
     engine_lag: int = 0
     """The engine samples with the weights of this many optimiser steps ago (a deterministic stand-in for
     asynchronous rollouts; µ is still recorded by the engine, so the importance weight and the mask stay exact)."""
@@ -129,40 +134,16 @@ class RolloutConfig:
     worker_threads: int = 0
     """async: CPU threads of each CPU worker; 0 = the cores divided between the trainer and the CPU workers."""
     in_flight_updates: bool = False
-    """async, local backend, hf engine: a worker also loads newer weights between decode chunks (every 8 tokens)
+    """async, local backend, an engine that can (hf, vllm-server): a worker also loads newer weights between decode chunks (every 8 tokens)
     of a response, recomputing its KV cache, so a response can span versions (each token records its own)."""
     worker_timeout_s: float = 600.0
     """async: a worker that returns nothing for this long (starting included) is reported as hung, by index."""
-    vllm_kv_cache_gb: float = 2.0
-    """vLLM on CPU: KV cache size in GB (VLLM_CPU_KVCACHE_SPACE; per server with vllm-server)."""
-    servers: int = 1
-    """vllm-server: servers dppo starts per engine (seeds train.seed, +1, ...; requests go to the one with the fewest
-    outstanding)."""
-    server_urls: str = ""
-    """vllm-server: comma-separated URLs of running servers to use instead of starting any (started with
-    `python -m dppo.rollout.server.serve`, docs/engines.md)."""
-    server_partial: Literal["keep", "abort"] = "keep"
-    """vllm-server with in-flight updates: keep = requests in flight are frozen (vLLM's /pause?mode=keep) and go on
-    under the new weights; abort = they are aborted and sent again as prompt + tokens so far."""
-    server_timeout_s: float = 600.0
-    """vllm-server: the longest one generate request may take (then the step fails naming the server); a server's
-    start may take as long."""
-    server_args: str = ""
-    """vllm-server: more `vllm serve` flags for the servers dppo starts (shell syntax)."""
-    lora_sync: Literal["merged", "adapter"] = "merged"
-    """With model.lora_rank > 0: merged = the engine gets the full weights, LoRA merged, at every sync; adapter
-    (vllm-server) = only the adapter, loaded by each server as a new LoRA adapter per version (no merge; a request
-    finishes under the adapter it started with)."""
-    server_weights_dir: str = ""
-    """vllm-server: where weight files are written for the servers ('' = /dev/shm); a folder the servers can read."""
-    vllm_gpu_memory_utilization: float = 0.5
-    """vLLM on GPU: fraction of GPU memory for the engine (it shares the GPU with the trainer)."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 _fail(f"rollout.{name}", f"expected >= 1, got {getattr(self, name)}")
-        _positive("rollout", temperature=self.temperature, vllm_kv_cache_gb=self.vllm_kv_cache_gb)
+        _positive("rollout", temperature=self.temperature)
         if self.engine_lag < 0:
             _fail("rollout.engine_lag", f"expected >= 0, got {self.engine_lag}")
         if self.max_staleness < 0:
@@ -173,45 +154,57 @@ class RolloutConfig:
         if self.mode == "async" and self.engine_lag:
             _fail("rollout.engine_lag", "is the synchronous stand-in for staleness; with rollout.mode async use "
                                         "rollout.max_staleness")
-        if self.in_flight_updates and (self.backend != "local" or self.quantization != "none" or self.engine == "vllm"):
-            _fail("rollout.in_flight_updates", "needs rollout.backend local, the hf or vllm-server engine and "
-                                               "rollout.quantization none")
-        if self.servers < 1:
-            _fail("rollout.servers", f"expected >= 1, got {self.servers}")
-        _positive("rollout", server_timeout_s=self.server_timeout_s)
-        for name in ("servers", "server_urls", "server_partial", "server_args", "server_weights_dir", "lora_sync"):
-            if self.engine != "vllm-server" and getattr(self, name) != getattr(RolloutConfig, name):
-                _fail(f"rollout.{name}", "needs rollout.engine vllm-server")
-        if self.server_urls and self.servers != 1:
-            _fail("rollout.servers", "dppo starts servers only without rollout.server_urls (one engine per URL list)")
-        for url in self.server_url_list:
-            if not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", url):
-                _fail("rollout.server_urls", f"{url!r} is not a server URL (expected http://host:port)")
+        if self.in_flight_updates and (self.backend != "local" or self.quantization != "none"):
+            _fail("rollout.in_flight_updates", "needs rollout.backend local and rollout.quantization none")
+        if self.engine != "auto":
+            check_engine(self, self.engine)
         for name in ("devices", "backend", "ray_address", "in_flight_updates"):
             if self.mode == "sync" and getattr(self, name) != getattr(RolloutConfig, name):
                 _fail(f"rollout.{name}", "needs rollout.mode async")
         for device in self.device_list:
             if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
                 _fail("rollout.devices", f"{device!r} is not a device (expected cpu, cuda or cuda:N, comma-separated)")
-        if self.fp8_activations and self.quantization != "fp8":
-            _fail("rollout.fp8_activations", "needs rollout.quantization fp8")
-        if self.fp8_activations and self.engine in ("vllm", "vllm-server"):
-            _fail("rollout.fp8_activations", "needs the hf engine (vLLM's activations are not reachable)")
-        if self.hf_max_batch_rows < 0:
-            _fail("rollout.hf_max_batch_rows", f"expected >= 0, got {self.hf_max_batch_rows}")
+        if self.hf.fp8_activations and self.quantization != "fp8":
+            _fail("rollout.hf.fp8_activations", "needs rollout.quantization fp8")
         if self.top_k_logprobs is not None and self.top_k_logprobs < 0:
             _fail("rollout.top_k_logprobs", f"expected >= 0, got {self.top_k_logprobs}")
-        if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            _fail("rollout.vllm_gpu_memory_utilization", f"expected in (0, 1], got {self.vllm_gpu_memory_utilization}")
 
     @property
-    def server_url_list(self) -> list[str]:
-        return [u.strip() for u in self.server_urls.split(",") if u.strip()]
+    def engine_settings(self) -> EngineSettings:
+        """The chosen engine's settings (its node); rollout.engine must be resolved (not auto)."""
+        return getattr(self, ENGINES[self.engine].node())
 
     @property
     def device_list(self) -> list[str]:
         """The rollout workers' devices (async), one entry per worker; [] = one worker on the trainer's device."""
         return [d.strip() for d in self.devices.split(",")] if self.devices.strip() else []
+
+
+RolloutConfig = dataclasses.make_dataclass(
+    "RolloutConfig", [(s.node(), s, field(default_factory=s)) for s in ENGINES.values()], bases=(_RolloutSettings,),
+    frozen=True, namespace={"__doc__": _RolloutSettings.__doc__, "__module__": __name__})
+"""The `rollout` section: the fields of `_RolloutSettings` plus one node per engine kind, made from the registry
+(adding an engine to `dppo.rollout.settings.ENGINES` adds its node and its `--rollout.<node>.*` flags)."""
+
+
+def check_engine(rollout, engine: str) -> None:
+    """ConfigError naming the field for what `engine` (a resolved kind) cannot do, read from its settings class
+    (in-flight updates; async rollouts need an engine that receives weights), and for a setting of another engine:
+    each engine's settings live in its own node, and a node of an engine the run does not use keeps its defaults."""
+    settings = ENGINES[engine]
+    if rollout.in_flight_updates and not settings.can_update_in_flight:
+        can = ", ".join(k for k, s in ENGINES.items() if s.can_update_in_flight)
+        _fail("rollout.in_flight_updates", f"the {engine} engine cannot update in flight ({can} can)")
+    if rollout.mode == "async" and not settings.can_receive_weights:
+        _fail("rollout.engine", f"{engine!r} cannot receive weights, which rollout.mode async needs after every "
+                                f"optimiser step")
+    for kind, settings in ENGINES.items():
+        node = getattr(rollout, settings.node())
+        if kind == engine or node == settings():
+            continue
+        name = next(f.name for f in dataclasses.fields(node) if getattr(node, f.name) != getattr(settings(), f.name))
+        _fail(f"rollout.{settings.node()}.{name}", f"a setting of the {kind} engine, but the run's engine is "
+                                                   f"{engine!r} (rollout.engine)")
 
 
 def _json_object(name: str, text: str) -> dict[str, Any]:
@@ -604,10 +597,11 @@ class Config:
                                             f"{self.env.max_tokens} (a row)")
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
             _fail("loss.anchor", "drpo has no mask to anchor")
-        if self.rollout.lora_sync == "adapter" and not self.model.lora_rank:
-            _fail("rollout.lora_sync", "'adapter' needs a LoRA run (model.lora_rank > 0)")
-        if self.rollout.lora_sync == "adapter" and self.rollout.quantization != "none":
-            _fail("rollout.lora_sync", "'adapter' sends no base weights to quantise; use rollout.quantization none")
+        if self.rollout.vllm_server.lora_sync == "adapter" and not self.model.lora_rank:
+            _fail("rollout.vllm_server.lora_sync", "'adapter' needs a LoRA run (model.lora_rank > 0)")
+        if self.rollout.vllm_server.lora_sync == "adapter" and self.rollout.quantization != "none":
+            _fail("rollout.vllm_server.lora_sync", "'adapter' sends no base weights to quantise; use rollout.quantization "
+                                                   "none")
 
     @property
     def top_k_logprobs(self) -> int:
@@ -619,7 +613,13 @@ class Config:
 
     # -------- (de)serialisation --------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as plain data; the rollout section holds only the node of the run's engine (every node while
+        rollout.engine is auto): the settings of an engine the run does not use do not exist."""
+        data = dataclasses.asdict(self)
+        for kind, settings in ENGINES.items():
+            if self.rollout.engine not in ("auto", kind):
+                del data["rollout"][settings.node()]
+        return data
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(_plain(self.to_dict()), sort_keys=False))
@@ -629,21 +629,9 @@ class Config:
         unknown = set(data) - set(_SECTIONS)
         if unknown:
             raise ConfigError(f"{sorted(unknown)[0]}: unknown section in {source}; valid: {', '.join(_SECTIONS)}")
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            section_cls = _SECTIONS[f.name]
-            values = _migrate(f.name, dict(data.get(f.name) or {}))
-            known = {g.name for g in dataclasses.fields(section_cls)}
-            bad = set(values) - known
-            if bad:
-                raise ConfigError(f"{f.name}.{sorted(bad)[0]}: unknown field in {source}")
-            for key, value in values.items():
-                if isinstance(value, list):
-                    values[key] = tuple(value)
-                if value == "inf":
-                    values[key] = math.inf
-            kwargs[f.name] = section_cls(**values)
-        return cls(**kwargs)
+        check_moved(data, source)
+        return cls(**{name: _section(section_cls, name, dict(data.get(name) or {}), source)
+                      for name, section_cls in _SECTIONS.items()})
 
     @classmethod
     def load(cls, path: str | Path) -> "Config":
@@ -666,14 +654,50 @@ _SECTIONS = {
 }
 
 
-def _migrate(section: str, values: dict[str, Any]) -> dict[str, Any]:
-    """A section of a config.yaml written by an older dppo, in today's fields: model.autocast_bf16 (before
-    model.precision) becomes precision bf16 when true and fp32 when false (such a run trained in fp32, and resuming
-    it keeps that precision)."""
-    if section == "model" and "autocast_bf16" in values:
-        old = values.pop("autocast_bf16")
-        values.setdefault("precision", "bf16" if old else "fp32")
-    return values
+def _section(section_cls, name: str, values: dict[str, Any], source: str):
+    """One section (or node) of a config file as its dataclass; ConfigError naming an unknown field."""
+    nodes = {f.name: f.type for f in dataclasses.fields(section_cls) if dataclasses.is_dataclass(f.default_factory)}
+    known = {f.name for f in dataclasses.fields(section_cls)}
+    bad = set(values) - known
+    if bad:
+        raise ConfigError(f"{name}.{sorted(bad)[0]}: unknown field in {source}")
+    for key, value in values.items():
+        if key in nodes:
+            node_cls = next(f.default_factory for f in dataclasses.fields(section_cls) if f.name == key)
+            values[key] = _section(node_cls, f"{name}.{key}", dict(value or {}), source)
+        elif isinstance(value, list):
+            values[key] = tuple(value)
+        elif value == "inf":
+            values[key] = math.inf
+    return section_cls(**values)
+
+
+MOVED = {
+    "model.autocast_bf16": "model.precision (true: bf16, false: fp32)",
+    "rollout.hf_max_batch_rows": "rollout.hf.max_batch_rows",
+    "rollout.fp8_activations": "rollout.hf.fp8_activations",
+    "rollout.vllm_kv_cache_gb": "rollout.vllm.kv_cache_gb (engine vllm) or rollout.vllm_server.kv_cache_gb "
+                                "(engine vllm-server)",
+    "rollout.vllm_gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
+    "rollout.servers": "rollout.vllm_server.servers",
+    "rollout.server_urls": "rollout.vllm_server.urls",
+    "rollout.server_partial": "rollout.vllm_server.partial",
+    "rollout.server_timeout_s": "rollout.vllm_server.timeout_s",
+    "rollout.server_args": "rollout.vllm_server.args",
+    "rollout.server_weights_dir": "rollout.vllm_server.weights_dir",
+    "rollout.lora_sync": "rollout.vllm_server.lora_sync",
+}
+"""Fields of a config.yaml written by an older dppo -> where each lives now (issue 48: each engine's settings in its
+own node). Such a file is refused before any model loads, naming every moved field and its new place."""
+
+
+def check_moved(data: dict[str, Any], source: str) -> None:
+    """ConfigError naming each field of `data` that moved (`MOVED`) and its new place."""
+    found = [f"{old} is now {new}" for old, new in MOVED.items()
+             if old.split(".")[1] in (data.get(old.split(".")[0]) or {})]
+    if found:
+        raise ConfigError(f"{found[0].split()[0]}: {source} was written by an older dppo; edit it: "
+                          + "; ".join(found))
 
 
 def _plain(value):
@@ -687,6 +711,12 @@ def _plain(value):
 
 
 def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
-    """Return cfg with some fields of some sections replaced: replace(cfg, loss={"trust_region": "ppo_clip"})."""
-    updates = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in sections.items()}
+    """Return cfg with some fields of some sections replaced: replace(cfg, loss={"trust_region": "ppo_clip"}); a node
+    takes a dict of its fields: replace(cfg, rollout={"engine": "hf", "hf": {"max_batch_rows": 4}})."""
+    updates = {}
+    for name, values in sections.items():
+        section = getattr(cfg, name)
+        values = {k: dataclasses.replace(getattr(section, k), **v) if isinstance(v, dict)
+                  and dataclasses.is_dataclass(getattr(section, k)) else v for k, v in values.items()}
+        updates[name] = dataclasses.replace(section, **values)
     return dataclasses.replace(cfg, **updates)

@@ -35,8 +35,9 @@ from dppo.run_files.logger import RunLogger
 from dppo.runtime.faults import fault_point
 from dppo.train.batch import RolloutBatch, collate, episode_groups, loss_inputs, minibatches, stamp_staleness
 from dppo.train.batch_stats import mini_batch_statistics
-from dppo.train.build import (announce_rollout, build_episodes, build_model, build_scorer, build_source, build_task,
-                              check_environment, check_rollout, resolution_notes, resolve_config, resolve_device)
+from dppo.train.build import (build_episodes, build_model, build_scorer, build_source, build_task, check_environment,
+                              check_rollout)
+from dppo.train.resolve import announce_rollout, resolution_notes, resolve_config, resolve_device
 from dppo.train.config import Config
 from dppo.train.distributed import init_from_env
 from dppo.train.evaluation import evaluate, vote_rule
@@ -52,7 +53,7 @@ from dppo.train.weights import engine_state
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False) -> None:
-        """`self.cfg` is `cfg` resolved (`dppo.train.build.resolve_config`: engine, dtype, K and the trust region's
+        """`self.cfg` is `cfg` resolved (`dppo.train.resolve.resolve_config`: engine, dtype, K and the trust region's
         parameters as this run uses them), which `dppo train` saves as the run directory's config.yaml."""
         self.cfg, self.run_dir = resolve_config(cfg), Path(run_dir)
         requested, cfg = cfg, self.cfg
@@ -221,7 +222,7 @@ class Trainer:
 
     def _engine_state(self) -> dict[str, Tensor]:
         """The weights an engine loads, as a state dict (LoRA merged; under FSDP2 a collective)."""
-        return engine_state(self.model, self.dist, adapter=self.cfg.rollout.lora_sync == "adapter")
+        return engine_state(self.model, self.dist, adapter=self.cfg.rollout.vllm_server.lora_sync == "adapter")
 
     def _recompute(self, batch: RolloutBatch) -> Scores:
         """π_old's scores of the whole batch before any update (the recompute anchor), one micro-batch at a time."""

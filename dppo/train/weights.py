@@ -43,12 +43,12 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def engine_state(model: nn.Module, dist: Ranks | None = None, *, adapter: bool = False) -> dict[str, torch.Tensor]:
     """The weights an engine loads, as a state dict with HF names: the model's own (views, no copy), LoRA merged
     (out of place), or under FSDP2 the gathered full weights (a collective: every rank must call it). adapter: only
-    the LoRA adapter, with the names of a saved PEFT adapter (rollout.lora_sync adapter)."""
+    the LoRA adapter, with the names of a saved PEFT adapter (rollout.vllm_server.lora_sync adapter)."""
     if adapter:
         from peft import get_peft_model_state_dict
 
         if dist is not None and dist.sharded:
-            raise ValueError("rollout.lora_sync: 'adapter' is not supported with a sharded (FSDP2) model")
+            raise ValueError("rollout.vllm_server.lora_sync: 'adapter' is not supported with a sharded (FSDP2) model")
         return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
     if dist is not None and dist.sharded:
         return full_state(dist, model, trainable_only=False, rank0_only=False)

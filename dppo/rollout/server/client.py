@@ -43,7 +43,7 @@ class ServerClient:
             with self._lock:
                 self.timeouts += 1
             raise ServerError(f"{self.name} ({self.url}): {path} took longer than its timeout "
-                              f"({timeout_s or self.timeout_s:g} s, rollout.server_timeout_s)") from e
+                              f"({timeout_s or self.timeout_s:g} s, rollout.vllm_server.timeout_s)") from e
         except httpx.TransportError as e:
             raise ServerError(f"{self.name} ({self.url}): {path} failed: {type(e).__name__}: {e} "
                               f"(is the server running?)") from e

@@ -46,12 +46,14 @@ from torch import Tensor, nn
 from dppo.rollout.base import EnginePrompt, FinishReason, Rollout, SamplingParams, prompt_token_ids, topk_cells
 from dppo.rollout.model_folder import checked_items, checkpoint_shapes, eos_ids, model_folder, read_json
 from dppo.rollout.server.client import ServerClient, parse_choice
-from dppo.rollout.server.launch import ServerError, ServerProcess, ServerSettings
+from dppo.rollout.server.launch import ServerError, ServerLaunch, ServerProcess
+from dppo.rollout.settings import Adapter, VLLMServerSettings
+from dppo.runtime import models
+from dppo.trust_region import DEFAULT_TOP_K
 from dppo.rollout.server.plugin import BACKEND, CHECKED_CONFIG
 
 POLL_S = 0.05
 """How often `generate` looks for newer weights while requests are out (in-flight updates)."""
-PARTIAL_MODES = ("keep", "abort")
 _MIN_TEMPERATURE = 1e-5
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -83,41 +85,37 @@ class ServerEngine:
     """Rollout engine on vLLM servers (see the module docstring).
 
     model: a model folder or built-in name, or a transformers model (saved to a temporary folder for the servers).
-    urls: attach to these servers instead of starting any (each must run with dppo's flags: docs/engines.md).
-    servers: how many servers to start (seeds seed, seed+1, ...). dtype: the servers' weight dtype.
-    max_logprobs: the largest K asked for (servers start with --max-logprobs K+1). kv_cache_gb: CPU KV cache per
-    server. partial: keep or abort (in-flight updates). timeout_s: the longest one request may take.
-    start_timeout_s: the longest a server may take to become healthy. log_dir: the servers' logs (default: a
-    temporary folder). weights_dir: where weight files are written (default /dev/shm; a folder every server can
-    read when they are on other machines). server_args: more `vllm serve` flags. lora: adapter-only sync
-    ({"r", "alpha", "target_modules", "max_loras"}): the servers start with LoRA enabled and `load_weights` takes a
-    PEFT adapter state dict (see `_load_adapter`); a full state dict is still loaded as weights.
+    settings: the engine's own settings (`dppo.rollout.settings.VLLMServerSettings`: servers to start or URLs to
+    attach to, partial mode, timeout, `vllm serve` flags, weights folder, LoRA sync, KV cache). dtype: the servers'
+    weight dtype. max_logprobs: the largest K asked for (servers start with --max-logprobs K+1). device: the
+    servers' device. log_dir: the servers' logs (default: a temporary folder). adapter: the run's LoRA adapter with
+    settings.lora_sync adapter: the servers start with LoRA enabled (`max_loras` adapters at once) and
+    `load_weights` takes a PEFT adapter state dict (see `_load_adapter`); a full state dict is still loaded as
+    weights.
     """
 
     between_chunks = None
     """In-flight updates: set by a rollout worker (rollout.in_flight_updates); called every `POLL_S` while requests
     are out."""
 
-    def __init__(self, model: str | os.PathLike | nn.Module, tokenizer=None, *, urls: Sequence[str] = (),
-                 servers: int = 1, dtype: str | torch.dtype = "float32", seed: int = 0, max_logprobs: int = 20,
-                 kv_cache_gb: float = 1.0, device: str = "cpu", max_model_len: int | None = None,
-                 partial: str = "keep", timeout_s: float = 600.0, start_timeout_s: float = 600.0,
-                 log_dir: str | os.PathLike | None = None, weights_dir: str | os.PathLike | None = None,
-                 server_args: Sequence[str] = (), api_key: str | None = None, lora: dict | None = None) -> None:
-        if partial not in PARTIAL_MODES:
-            raise ValueError(f"partial: expected one of {', '.join(PARTIAL_MODES)}, got {partial!r}")
-        if not urls and servers < 1:
-            raise ValueError(f"servers: expected >= 1, got {servers}")
+    def __init__(self, model: str | os.PathLike | nn.Module, tokenizer=None,
+                 settings: VLLMServerSettings = VLLMServerSettings(), *, dtype: str | torch.dtype = "float32",
+                 seed: int = 0, max_logprobs: int = 20, device: str = "cpu", max_model_len: int | None = None,
+                 log_dir: str | os.PathLike | None = None, api_key: str | None = None,
+                 adapter: Adapter | None = None, max_loras: int = 2) -> None:
+        if settings.lora_sync == "adapter" and adapter is None:
+            raise ValueError("rollout.vllm_server.lora_sync: 'adapter' needs the run's adapter (model.lora_rank > 0)")
+        self.settings = settings
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
-        self.dtype, self.partial, self.max_logprobs = _DTYPES[dtype], partial, max_logprobs
+        self.dtype, self.partial, self.max_logprobs = _DTYPES[dtype], settings.partial, max_logprobs
         self._tmpdir = tempfile.mkdtemp(prefix="dppo-server-model-") if isinstance(model, nn.Module) else None
         self.processes: list[ServerProcess] = []
         self.clients: list[ServerClient] = []
         shm = Path("/dev/shm")
-        base = Path(weights_dir) if weights_dir else (shm if shm.is_dir() and os.access(shm, os.W_OK)
+        base = Path(settings.weights_dir) if settings.weights_dir else (shm if shm.is_dir() and os.access(shm, os.W_OK)
                                                       else Path(tempfile.gettempdir()))
         base.mkdir(parents=True, exist_ok=True)
         self._weights_dir = Path(tempfile.mkdtemp(prefix=f"dppo-weights-{os.getpid()}-", dir=base))
@@ -126,7 +124,7 @@ class ServerEngine:
         self._label, self._labels = "0", {"0": 0}
         self._version = 0
         self.stats = {"weight_updates": 0, "resubmitted": 0}
-        self.lora = dict(lora) if lora else None
+        self.adapter = adapter if settings.lora_sync == "adapter" else None
         self._adapter: str | None = None  # the adapter new requests use (None: the served weights)
         self._adapter_users: dict[str, int] = {}  # adapter -> requests out that use it
         try:
@@ -138,28 +136,35 @@ class ServerEngine:
                 raise ValueError("tokenizer: no EOS token id in the tokenizer, generation_config.json or config.json")
             self._shapes = checkpoint_shapes(self.path)
             self._tied = bool(self._config.get("tie_word_embeddings", False))
-            if urls:
-                self.clients = [ServerClient(u, name=f"server {i} ({u})", timeout_s=timeout_s, api_key=api_key)
-                                for i, u in enumerate(urls)]
+            if settings.url_list:
+                self.clients = [ServerClient(u, name=f"server {i} ({u})", timeout_s=settings.timeout_s,
+                                             api_key=api_key) for i, u in enumerate(settings.url_list)]
             else:
                 logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="dppo-server-logs-"))
-                for i in range(servers):
-                    lora_args = () if not self.lora else (
-                        "--enable-lora", "--max-loras", str(self.lora["max_loras"]), "--max-cpu-loras",
-                        str(2 * self.lora["max_loras"]), "--max-lora-rank", str(_lora_rank_cap(self.lora["r"])))
-                    settings = ServerSettings(str(self.path), dtype=dtype, max_logprobs=max_logprobs + 1,
-                                              kv_cache_gb=kv_cache_gb, seed=seed + i, device=device,
-                                              max_model_len=max_model_len,
-                                              extra_args=lora_args + tuple(server_args))
-                    self.processes.append(ServerProcess(settings, name=f"server-{i}", log_dir=logs))
-                self.clients = [ServerClient(p.url, name=f"{p.name} ({p.url}, log {p.log})", timeout_s=timeout_s)
-                                for p in self.processes]
+                lora_args = () if not self.adapter else (
+                    "--enable-lora", "--max-loras", str(max_loras), "--max-cpu-loras", str(2 * max_loras),
+                    "--max-lora-rank", str(_lora_rank_cap(self.adapter.rank)))
+                for i in range(settings.servers):
+                    launch = ServerLaunch(str(self.path), dtype=dtype, max_logprobs=max_logprobs + 1,
+                                          kv_cache_gb=settings.kv_cache_gb, seed=seed + i, device=device,
+                                          max_model_len=max_model_len, extra_args=lora_args + settings.arg_list)
+                    self.processes.append(ServerProcess(launch, name=f"server-{i}", log_dir=logs))
+                self.clients = [ServerClient(p.url, name=f"{p.name} ({p.url}, log {p.log})",
+                                             timeout_s=settings.timeout_s) for p in self.processes]
                 for proc, client in zip(self.processes, self.clients):
-                    proc.wait_healthy(start_timeout_s, client.healthy)
+                    proc.wait_healthy(settings.timeout_s, client.healthy)
             self.max_context = min(self._attach(c) for c in self.clients)
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def from_spec(cls, spec) -> "ServerEngine":
+        """The engine of a `dppo.rollout.spec.EngineSpec` whose settings are `VLLMServerSettings`."""
+        model, tokenizer, path = models.load(spec.model, dtype=torch.float32)
+        return cls(path if path is not None else model, tokenizer, spec.settings, dtype=spec.dtype, seed=spec.seed,
+                   max_logprobs=max(DEFAULT_TOP_K, spec.top_k_logprobs), device=spec.device, log_dir=spec.log_dir,
+                   adapter=spec.adapter, max_loras=spec.versions_in_flight)
 
     def _attach(self, client: ServerClient) -> int:
         """Check one server takes dppo's weight transfer and serves the trainer's model; its context length."""
@@ -323,8 +328,9 @@ class ServerEngine:
         """Adapter-only sync: the adapter (PEFT names and layout) written as a PEFT folder, loaded by every server
         as adapter `dppo-v<label>` (`/v1/load_lora_adapter`); requests sent from now on name it, requests in flight
         finish under the adapter they started with; an adapter no request uses any more is unloaded. No pause."""
-        if not self.lora:
-            raise ValueError("weights: a LoRA adapter, but the engine was built without `lora` (rollout.lora_sync)")
+        if not self.adapter:
+            raise ValueError("weights: a LoRA adapter, but the engine was built without one "
+                             "(rollout.vllm_server.lora_sync adapter)")
         import json
 
         from safetensors.torch import save_file
@@ -335,8 +341,8 @@ class ServerEngine:
         save_file({k: v.detach().to(self.dtype).contiguous().cpu() for k, v in weights.items()},
                   str(folder / "adapter_model.safetensors"))
         (folder / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.lora["r"], "lora_alpha": self.lora["alpha"],
-            "target_modules": sorted(self.lora["target_modules"]), "lora_dropout": 0.0, "bias": "none",
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.adapter.rank, "lora_alpha": self.adapter.alpha,
+            "target_modules": sorted(self.adapter.target_modules), "lora_dropout": 0.0, "bias": "none",
             "base_model_name_or_path": str(self.path)}))
         for future in [self._pool.submit(c.post, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
                        for c in self.clients]:
@@ -350,7 +356,7 @@ class ServerEngine:
     def _release(self, answer: dict) -> None:
         """A request answered: one user fewer for its adapter (unloaded when it is no longer the current one)."""
         spans = [c.get("weight_versions") or [] for c in answer.get("choices", [])]
-        adapter = spans[0][0]["version"] if spans and spans[0] and self.lora else None
+        adapter = spans[0][0]["version"] if spans and spans[0] and self.adapter else None
         if adapter in self._adapter_users:
             self._adapter_users[adapter] -= 1
             if adapter != self._adapter:

@@ -93,8 +93,9 @@ def failure_cause(log: str, returncode: int | None) -> str:
 
 
 @dataclass
-class ServerSettings:
-    """How dppo starts one server (everything but the port and the log)."""
+class ServerLaunch:
+    """How dppo starts one server process (everything but the port and the log), from its engine's settings
+    (`dppo.rollout.server.engine.ServerEngine`)."""
 
     model: str
     """The model folder (config.json + safetensors)."""
@@ -106,7 +107,7 @@ class ServerSettings:
     max_model_len: int | None = None
     host: str = "127.0.0.1"
     extra_args: tuple[str, ...] = ()
-    """More `vllm serve` flags (rollout.server_args)."""
+    """More `vllm serve` flags (rollout.vllm_server.args, and the LoRA flags)."""
 
     def command(self, port: int) -> list[str]:
         cmd = [sys.executable, "-m", "dppo.rollout.server.serve", "--parent", str(os.getpid()),
@@ -141,7 +142,7 @@ class ServerSettings:
 class ServerProcess:
     """One vLLM server dppo started (see the module docstring). `name` is how errors call it."""
 
-    def __init__(self, settings: ServerSettings, *, name: str, log_dir: Path, port: int = 0) -> None:
+    def __init__(self, settings: ServerLaunch, *, name: str, log_dir: Path, port: int = 0) -> None:
         if not (Path(settings.model) / "config.json").is_file():
             raise ServerError(f"{name}: model {settings.model!r} has no config.json (not a model folder)")
         if port and port_in_use(settings.host, port):

@@ -27,14 +27,14 @@ from typing import Any
 import torch
 
 from dppo.rollout import SamplingParams, make_engine
+from dppo.rollout.settings import VLLMSettings
 from dppo.runtime import models
 from dppo.runtime.hardware import resolve_engine
 from dppo.studies.diagnose.mismatch import DEFAULT_BUCKETS, mismatch_report, pair_stats, token_metrics
 from dppo.studies.diagnose.plots import plot_histograms, plot_ratio_vs_tv
 from dppo.tasks import TASKS, make_task
 from dppo.train.batch import collate
-from dppo.train.build import resolve_device
-from dppo.train.config import RolloutConfig
+from dppo.train.resolve import resolve_device
 from dppo.train.evaluation import engine_prompts
 from dppo.train.scoring import AUTOCAST, score_responses
 
@@ -64,13 +64,13 @@ def _round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _make_engine(name: str, model, tokenizer, path: Path, dtype: str, seed: int, top_k: int):
-    """The engine, built the way `dppo.train.build.build_engine` does, holding the trainer's weights."""
+    """The engine, built as `dppo.rollout.spec.build_engine` builds it, holding the trainer's weights."""
     if name == "hf":
         return make_engine("hf", model, tokenizer, dtype=_DTYPES[dtype], seed=seed)
 
-    defaults = RolloutConfig()
-    extra = ({"gpu_memory_utilization": defaults.vllm_gpu_memory_utilization} if torch.cuda.is_available()
-             else {"kv_cache_gb": defaults.vllm_kv_cache_gb})
+    defaults = VLLMSettings()
+    extra = ({"gpu_memory_utilization": defaults.gpu_memory_utilization} if torch.cuda.is_available()
+             else {"kv_cache_gb": defaults.kv_cache_gb})
     engine = make_engine("vllm", path, tokenizer, dtype=dtype, seed=seed, max_logprobs=max(20, top_k), **extra)
     engine.load_weights(model)
     return engine

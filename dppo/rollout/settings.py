@@ -1,0 +1,176 @@
+"""The engine kinds: one frozen settings class per rollout engine, and the `ENGINES` registry of them.
+
+Each class is at once the engine's config node (`rollout.hf`, `rollout.vllm`, `rollout.vllm_server` in a run's
+config; `--rollout.vllm-server.urls ...` on the command line) and what the engine, a rollout worker or a server
+receives inside its `dppo.rollout.spec.EngineSpec`: no second spec restates or renames its fields. What an engine
+can do is declared on its class (`can_receive_weights`, `can_update_in_flight`, `can_quantize_activations`,
+`can_record_top_k`), never in a
+list elsewhere; the engine itself lives in the module its `engine` names (imported only when built, so `vllm` is
+imported only when a vLLM engine is asked for).
+
+Adding an engine: write its class ("module:Class" with a `from_spec(spec)` constructor and the `dppo.rollout.base.Engine`
+methods), add its settings class here with its capabilities, and one `ENGINES` entry; the config gets its node,
+its flags and the refusal of its fields under another engine from the registry (`dppo.train.config`).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, fields
+from typing import ClassVar, Literal
+
+from dppo._checks import ConfigError
+
+
+def _fail(field_name: str, message: str) -> None:
+    raise ConfigError(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every engine kind declares: its registry name, its class and its capabilities (class attributes, not
+    fields: they are facts about the engine, not settings)."""
+
+    kind: ClassVar[str]
+    """The `ENGINES` name (rollout.engine)."""
+    engine: ClassVar[str]
+    """"module:Class" of the engine (imported lazily, `dppo.rollout.engine_class`); the class builds itself from an
+    `EngineSpec` (`from_spec`)."""
+    can_receive_weights: ClassVar[bool] = True
+    """It loads the trainer's weights after every optimiser step (`load_weights`; rollout.mode async needs it)."""
+    can_update_in_flight: ClassVar[bool] = False
+    """A response being sampled can go on under newer weights (rollout.in_flight_updates)."""
+    can_quantize_activations: ClassVar[bool] = False
+    """Its decoder's linear-layer inputs can be quantised to fp8 (its model runs in this process)."""
+    can_record_top_k: ClassVar[bool] = True
+    """It records µ's top-K log-probs (the Top-K trust regions need them)."""
+
+    def quantizes_activations(self) -> bool:
+        """With rollout.quantization fp8: whether the engine also quantises its decoder's linear-layer inputs."""
+        return False
+
+    @classmethod
+    def node(cls) -> str:
+        """The config node holding these settings: rollout.<node> (the kind with '-' as '_')."""
+        return cls.kind.replace("-", "_")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                _fail(f"rollout.{self.node()}.{f.name}", f"expected >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class HFSettings(EngineSettings):
+    """The hf engine: transformers in this process (or a rollout worker's), sharing each prompt's prefix across its
+    G samples (`dppo.rollout.hf`)."""
+
+    kind: ClassVar[str] = "hf"
+    engine: ClassVar[str] = "dppo.rollout.hf:HFEngine"
+    can_update_in_flight: ClassVar[bool] = True
+    can_quantize_activations: ClassVar[bool] = True
+
+    max_batch_rows: int = 0
+    """Most responses decoded together (whole prompts per batch; bounds the KV cache); 0 = all P·G."""
+    fp8_activations: bool = False
+    """With rollout.quantization fp8: also quantise every decoder linear layer's input per token."""
+
+    def quantizes_activations(self) -> bool:
+        return self.fp8_activations
+
+
+@dataclass(frozen=True)
+class VLLMSettings(EngineSettings):
+    """The vllm engine: vLLM's offline `LLM` in this process (or a rollout worker's), weights loaded in place
+    (`dppo.rollout.vllm`)."""
+
+    kind: ClassVar[str] = "vllm"
+    engine: ClassVar[str] = "dppo.rollout.vllm:VLLMEngine"
+
+    kv_cache_gb: float = 2.0
+    """On CPU: the KV cache size in GB (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.5
+    """On GPU: the fraction of GPU memory for the engine (it shares the GPU with the trainer)."""
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache_gb > 0:
+            _fail("rollout.vllm.kv_cache_gb", f"expected > 0, got {self.kv_cache_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            _fail("rollout.vllm.gpu_memory_utilization", f"expected in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class VLLMServerSettings(EngineSettings):
+    """The vllm-server engine: vLLM's own server processes, started by dppo or given as `urls`, weights through
+    vLLM's weight-update API (`dppo.rollout.server`, docs/engines.md). Never chosen by rollout.engine auto."""
+
+    kind: ClassVar[str] = "vllm-server"
+    engine: ClassVar[str] = "dppo.rollout.server.engine:ServerEngine"
+    can_update_in_flight: ClassVar[bool] = True
+
+    servers: int = 1
+    """Servers dppo starts per engine (seeds train.seed, +1, ...; requests go to the one with the fewest
+    outstanding)."""
+    urls: str = ""
+    """Comma-separated URLs of running servers to use instead of starting any (started with
+    `python -m dppo.rollout.server.serve`, docs/engines.md)."""
+    partial: Literal["keep", "abort"] = "keep"
+    """With in-flight updates: keep = requests in flight are frozen (vLLM's /pause?mode=keep) and go on under the new
+    weights; abort = they are aborted and sent again as prompt + tokens so far."""
+    timeout_s: float = 600.0
+    """The longest one generate request may take (then the step fails naming the server); a server's start may take
+    as long."""
+    args: str = ""
+    """More `vllm serve` flags for the servers dppo starts (shell syntax)."""
+    weights_dir: str = ""
+    """Where weight files are written for the servers ('' = /dev/shm); a folder the servers can read."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """With model.lora_rank > 0: merged = the servers get the full weights, LoRA merged, at every sync; adapter =
+    only the adapter, loaded by each server as a new LoRA adapter per version (no merge; a request finishes under
+    the adapter it started with)."""
+    kv_cache_gb: float = 2.0
+    """On CPU: each server's KV cache size in GB."""
+
+    def __post_init__(self) -> None:
+        if self.servers < 1:
+            _fail("rollout.vllm_server.servers", f"expected >= 1, got {self.servers}")
+        if self.urls and self.servers != 1:
+            _fail("rollout.vllm_server.servers", "dppo starts servers only without rollout.vllm_server.urls "
+                                                 "(one engine per URL list)")
+        for url in self.url_list:
+            if not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", url):
+                _fail("rollout.vllm_server.urls", f"{url!r} is not a server URL (expected http://host:port)")
+        for name, valid in (("partial", ("keep", "abort")), ("lora_sync", ("merged", "adapter"))):
+            if getattr(self, name) not in valid:
+                _fail(f"rollout.vllm_server.{name}", f"expected one of {', '.join(valid)}, got {getattr(self, name)!r}")
+        for name in ("timeout_s", "kv_cache_gb"):
+            if not getattr(self, name) > 0:
+                _fail(f"rollout.vllm_server.{name}", f"expected > 0, got {getattr(self, name)}")
+        try:
+            shlex.split(self.args)
+        except ValueError as exc:
+            _fail("rollout.vllm_server.args", f"not shell syntax ({exc})")
+
+    @property
+    def url_list(self) -> list[str]:
+        return [u.strip() for u in self.urls.split(",") if u.strip()]
+
+    @property
+    def arg_list(self) -> tuple[str, ...]:
+        return tuple(shlex.split(self.args))
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """The run's LoRA adapter shape (model.lora_*), for an engine that takes adapters instead of merged weights
+    (vllm-server with lora_sync adapter)."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+
+ENGINES: dict[str, type[EngineSettings]] = {s.kind: s for s in (HFSettings, VLLMSettings, VLLMServerSettings)}
+"""Engine kind -> its settings class (which names the engine class and declares what it can do)."""

@@ -1,0 +1,111 @@
+"""The run config resolved on this machine: every `auto` decided once, with its reason, and every path made
+absolute, so a run directory's config.yaml says exactly what the run used and resumes the same anywhere.
+
+`resolve_rollout` and `resolve_precision` are the one place the engine, the engine dtype and the training precision
+are decided (`dppo.runtime.hardware` gives the reasons); `resolve_config` writes their values into the config, and
+everything after it (the engine spec, the rollout checks, the workers) reads the resolved config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dppo.runtime import hardware
+from dppo.runtime.hardware import describe
+from dppo.runtime.models import BUILTIN_MODELS
+from dppo.runtime.plugins import absolute_spec
+from dppo.train.config import Config, check_engine, replace
+
+
+def resolve_device(name: str) -> torch.device:
+    """The trainer's device for model.device (auto: cuda when available, else cpu)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device: {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_rollout(cfg: Config) -> tuple:
+    """(engine, engine dtype, warning or None) for this machine: `rollout.engine/dtype: auto` resolved by
+    `dppo.runtime.hardware`, each with its reason."""
+    device = resolve_device(cfg.model.device)
+    dtype, warning = hardware.resolve_dtype(cfg.rollout.dtype, device)
+    return hardware.resolve_engine(cfg.rollout.engine, dtype.value, device), dtype, warning
+
+
+def resolve_precision(cfg: Config) -> tuple:
+    """(training precision, warning or None) for this machine: `model.precision: auto` resolved by
+    `dppo.runtime.hardware.resolve_precision` (bf16 autocast where bf16 is native), with its reason."""
+    return hardware.resolve_precision(cfg.model.precision, resolve_device(cfg.model.device), cfg.model.dtype)
+
+
+FILE_TASK_PATHS = ("path", "eval_path")
+"""The `file` task's options that name a file it reads."""
+
+
+def absolute_paths(cfg: Config, base: Path) -> Config:
+    """`cfg` with every file the run reads made absolute against `base` (the directory the run starts in): a local
+    model folder, the `file` task's data files, and plug-in files (`path/to/file.py:name` as task, reward or
+    environment). A run directory's config.yaml then works from any directory (`--resume`, `dppo eval --run-dir`,
+    `dppo export`); a moved file is an error naming its absolute path. Registry names, `package.module:name` specs
+    and paths already absolute are left as they are (idempotent)."""
+    t = cfg.task
+    task: dict = {"name": absolute_spec(t.name, base), "reward": absolute_spec(t.reward, base)}
+    if t.name == "file":
+        options = t.options_dict
+        given = {k: options[k] for k in FILE_TASK_PATHS if isinstance(options.get(k), str)}
+        if any(not Path(v).expanduser().is_absolute() for v in given.values()):
+            task["options"] = json.dumps({**options, **{k: str((base / Path(v).expanduser()).resolve())
+                                                         for k, v in given.items()}})
+    model = cfg.model.name
+    if model not in BUILTIN_MODELS and not Path(model).expanduser().is_absolute() and (base / model).exists():
+        model = str((base / model).resolve())
+    return replace(cfg, model={"name": model}, task=task, env={"name": absolute_spec(cfg.env.name, base)},
+                   agent={"name": absolute_spec(cfg.agent.name, base)})
+
+
+def resolve_config(cfg: Config) -> Config:
+    """`cfg` with every value the run will use written out: rollout.engine, rollout.dtype and model.precision as
+    `auto` chose them on this machine (`check_engine`: a setting of another engine than the chosen one, or what it
+    cannot do, is refused naming the field),
+    rollout.top_k_logprobs as K (20 or 0 when unset), and the loss as its resolved `LossSpec` (`LossConfig.spec`:
+    the chosen trust region's parameters, the sequence mask's δ and DRPO's δ at their defaults when unset). A run
+    directory's config.yaml holds this, and a resumed run reads exactly it (idempotent: resolving it again changes
+    nothing). Every file the run reads is an absolute path (`absolute_paths`, against the current directory); with
+    an environment or an agent, task.reward is '' (the episodes score themselves: a reward given is not used, and
+    the run says so at start, `resolution_notes`)."""
+    engine, dtype, _ = resolve_rollout(cfg)
+    check_engine(cfg.rollout, engine.value)
+    precision, _ = resolve_precision(cfg)
+    cfg = replace(absolute_paths(cfg, Path.cwd()), model={"precision": precision.value})
+    if cfg.env.name or cfg.agent.name:  # the environment / agent scores each episode: task.reward is not used
+        cfg = replace(cfg, task={"reward": ""})
+    return replace(cfg, rollout={"engine": engine.value, "dtype": dtype.value, "top_k_logprobs": cfg.top_k_logprobs},
+                   loss=cfg.loss.spec().to_dict())
+
+
+def announce_rollout(cfg: Config, announce, *, training: bool = False) -> None:
+    """Say which engine and dtype `auto` chose and why (and the emulated-bf16 warning); `training`: the training
+    precision too (the trainer's start; evaluation and tools only sample)."""
+    engine, dtype, warning = resolve_rollout(cfg)
+    precision, precision_warning = resolve_precision(cfg) if training else (None, None)
+    for line in (describe(engine, dtype, precision), warning and f"[dppo] warning: {warning}",
+                 precision_warning and f"[dppo] warning: {precision_warning}"):
+        if line and announce is not None:
+            announce(line)
+
+
+def resolution_notes(requested: Config) -> list[str]:
+    """What resolving `requested` set aside that its user should hear at start (the trainer prints each line)."""
+    if requested.env.name and requested.task.reward:
+        return [f"[dppo] task.reward {requested.task.reward!r} is not used: environment {requested.env.name!r} "
+                f"scores each episode (config.yaml records reward '')"]
+    if requested.agent.name and requested.task.reward:
+        return [f"[dppo] task.reward {requested.task.reward!r} is not used: agent {requested.agent.name!r} "
+                f"scores each episode (config.yaml records reward '')"]
+    return []
