@@ -328,15 +328,15 @@ class AgentConfig:
 
 @dataclass(frozen=True)
 class _LossSettings:
-    """The policy loss (spec §3-§4): trust region, anchor, importance-weight cap, aggregation. The trust regions'
+    """The policy loss (the paper's Eq. 12 mask in Eq. 23's surrogate; docs/library.md): trust region, anchor, importance-weight cap, aggregation. The trust regions'
     own parameters (delta_low, eps_high, relax_alpha, cppo_*, neg_delta, ...) are fields too, one per name in
     `dppo.trust_region.TRUST_REGIONS` (see `LossConfig` below)."""
 
     loss: Literal["masked_is", "drpo"] = "masked_is"
     """masked_is = Eq. 23 with the trust-region mask (every method but DRPO); drpo = DRPO's penalty."""
     trust_region: str = "dppo_binary_tv"
-    """A name in dppo.trust_region.TRUST_REGIONS (dppo_binary_tv, dppo_binary_kl, dppo_topk_tv, dppo_topk_kl,
-    ppo_clip, ppo_clip_relax, none, cppo, pg_is_neg_mask, dppo_stale_tv, dppo_stale_kl, dppo_sat_tv, dppo_sat_kl)."""
+    """A name in dppo.trust_region.TRUST_REGIONS (the list: docs/library.md, or the error an unknown name gets); its
+    own parameters are the loss fields named after them (a parameter of another region is refused)."""
     anchor: Literal["rollout", "recompute"] = "rollout"
     """Mask anchor: rollout µ (default, free) or the recomputed pre-update policy (extra forward pass)."""
     is_cap: float = 10.0
@@ -400,7 +400,7 @@ LossConfig = dataclasses.make_dataclass(
 
 @dataclass(frozen=True)
 class AdvantageConfig:
-    """Advantage estimation from sequence rewards (spec §5)."""
+    """Advantage estimation from sequence rewards (docs/library.md, `dppo.advantages`)."""
 
     estimator: str = "group_mean"
     """group_mean (paper default), group_zscore (GRPO), rloo, group_mean_batch_std."""
