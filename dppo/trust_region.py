@@ -58,7 +58,6 @@ __all__ = [
     "token_mis",
     "gspo",
     "region_params",
-    "region_inputs",
     "BatchStat",
     "needs_topk",
     "DEFAULT_TOP_K",
@@ -465,14 +464,7 @@ def all_params() -> dict[str, Param]:
     return out
 
 
-def region_inputs(name: str) -> tuple[str, ...]:
-    """The extra per-token tensors the mask of trust region `name` takes ("staleness"), by keyword."""
-    return TRUST_REGIONS[name].inputs
-
-
 def needs_topk(name: str) -> bool:
     """True for trust regions whose mask reads a caller-computed Top-K `divergence` (µ's top-K must be recorded)."""
     return TRUST_REGIONS[name].needs_topk
 
-
-needs_divergence = needs_topk  # the earlier name, kept for library users

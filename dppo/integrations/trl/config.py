@@ -164,10 +164,6 @@ class _DPPOSettings(GRPOConfig):
             name, _, rest = str(exc).partition(":")
             raise ValueError(f"{_EPS_FIELDS.get(name, name)}:{rest}") from None
 
-    def region_settings(self) -> dict[str, Any]:
-        """The trust region's mask parameters, defaults filled in and checked (`spec().params`)."""
-        return dict(self.spec().params)
-
 
 def _region_field(name: str) -> tuple[str, Any, Any]:
     param = all_params()[name]
