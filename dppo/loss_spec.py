@@ -1,12 +1,13 @@
 """One resolved loss specification: `loss_spec` turns loss settings into a frozen `LossSpec`, every value resolved.
 
-The settings are those of the `loss` config section (`dppo.train.config.LossConfig`) and of TRL's `DPPOConfig`: the
-loss (masked_is = Eq. 23 with a trust-region mask, drpo = DRPO's penalty), the trust region and its parameters
-(`dppo.trust_region.TRUST_REGIONS`), the mask's anchor, the importance-weight cap C, the aggregation (spec §6), the
-sequence mask (`dppo.sequence_mask`) with its δ, unit and sides, and DRPO's δ. Each is checked here, once, with a
-ValueError whose message starts with the setting's name; a default left unset (None) is filled in here, once:
-the region's δ/ε/... from its registry entry, the sequence mask's δ from `SEQUENCE_DELTAS` (∞ for "none": no unit is
-dropped), DRPO's δ 0.15. `dppo.losses.policy_loss` and the other `LOSSES` take the spec and check no setting again.
+The settings are those of the `loss` config section (`dppo.train.config.LossConfig`) and of TRL's `DPPOConfig`: the loss
+(masked_is = Eq. 23 with a trust-region mask, drpo = DRPO's penalty), the trust region and its parameters
+(`dppo.trust_region.TRUST_REGIONS`), the mask's anchor, the importance-weight cap C, the aggregation
+(`dppo.losses.aggregate`), the sequence mask (`dppo.sequence_mask`) with its δ, unit and sides, and DRPO's δ. Each is
+checked here, once, with a ValueError whose message starts with the setting's name; a default left unset (None) is
+filled in here, once: the region's δ/ε/... from its registry entry, the sequence mask's δ from `SEQUENCE_DELTAS` (∞ for
+"none": no unit is dropped), DRPO's δ 0.15. `dppo.losses.policy_loss` and the other `LOSSES` take the spec and check no
+setting again.
 
 Pure: no config objects, no tensors; the trainer, the TRL adapter and verl's build their spec with `loss_spec`.
 """

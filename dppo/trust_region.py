@@ -1,4 +1,5 @@
-"""Trust-region masks (spec §3): which tokens keep their policy-gradient term.
+"""Trust-region masks (Eq. 12, and the baselines' rules of docs/library.md): which tokens keep their policy-gradient
+term.
 
 Every mask has the same signature
 

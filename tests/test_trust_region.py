@@ -1,6 +1,6 @@
-"""Tests of dppo.trust_region (spec §3). The shared tests are parametrised over `TRUST_REGIONS`, so a new
-entry gets them for free (it only needs `REQUIRED` below if it has a parameter without default); each
-region also has a hand-computed case."""
+"""Tests of dppo.trust_region (Eq. 12 and the baselines' rules). The shared tests are parametrised over `TRUST_REGIONS`,
+so a new entry gets them for free (it only needs `REQUIRED` below if it has a parameter without default); each region
+also has a hand-computed case."""
 
 from __future__ import annotations
 

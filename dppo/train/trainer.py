@@ -1,4 +1,5 @@
-"""The DPPO training loop (spec §7): rollout → reward → advantage → E×M updates → publish weights → log.
+"""The DPPO training loop: rollout → reward → advantage → E×M updates → publish weights → log (docs/library.md,
+"Layout").
 
 `Trainer.step` reads top to bottom, the same in every sampling mode: the batch comes from a `RolloutSource`
 (`dppo.rollout.source`: an engine in this process, the same engine rollout.engine_lag versions behind, or rollout

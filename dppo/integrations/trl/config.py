@@ -29,7 +29,8 @@ LOSS_TYPE_AGGREGATION = {
     "dr_grpo": "seq-mean-token-sum-norm",  # each sequence's sum / max_completion_length: the paper's (dppo's default)
 }
 """TRL `loss_type` -> dppo aggregation mode. The seq-mean modes leave sequences with no active token out of the
-count (spec §6), where TRL counts every row; the two differ only with `mask_truncated_completions`."""
+count (docs/library.md, "Decisions where the paper left room"), where TRL counts every row; the two differ only with
+`mask_truncated_completions`."""
 
 _DEFAULT = loss_spec()
 _REGION_FIELDS = tuple(name for name in all_params() if name not in ("eps_low", "eps_high"))
