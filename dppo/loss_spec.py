@@ -22,7 +22,7 @@ from typing import Any
 
 from dppo._checks import check_choice
 from dppo.sequence_mask import SEQUENCE_MASKS, SEQUENCE_SIDES, SEQUENCE_UNITS
-from dppo.trust_region import TRUST_REGIONS, TrustRegion, all_params, check_param, region_params
+from dppo.trust_region import TRUST_REGIONS, TrustRegion, all_params, region_params
 
 __all__ = ["AGGREGATIONS", "ANCHORS", "DRPO_DELTA", "IS_WEIGHTS", "LOSS_KINDS", "SEQUENCE_DELTAS", "LossSpec", "loss_spec"]
 
@@ -91,14 +91,21 @@ def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+WRITTEN_BY_OLD_CONFIGS = {"relax_side": "both"}
+"""Region parameters that a run's config.yaml written before the trust-region registry records under every trust
+region (relax_side was then a field with default "both"): at that value they are accepted, and ignored, by a region
+that does not take them, so that such a run still resumes."""
+
+
 def _region(trust_region: str, given: dict[str, Any]) -> dict[str, Any]:
-    """The region's parameters resolved; every parameter given (not None) checked, whichever region takes it."""
+    """The region's parameters resolved and checked (`region_params`): a name no region takes, or a value (not None)
+    for a parameter this region does not take, is an error naming the parameter."""
     unknown = sorted(set(given) - set(all_params()))
     if unknown:
         raise ValueError(f"{unknown[0]}: not a parameter of any trust region; valid: {', '.join(sorted(all_params()))}")
-    for name, value in given.items():
-        if value is not None:
-            check_param(name, value)
+    own = TRUST_REGIONS[trust_region].params
+    given = {name: value for name, value in given.items()
+             if name in own or name not in WRITTEN_BY_OLD_CONFIGS or value != WRITTEN_BY_OLD_CONFIGS[name]}
     return region_params(trust_region, given)
 
 
@@ -116,8 +123,9 @@ def loss_spec(*, loss: str = "masked_is", trust_region: str = "dppo_binary_tv", 
               sequence_delta: float | None = None, sequence_unit: str = "response", sequence_sides: str = "both",
               drpo_delta: float | None = None, **region: Any) -> LossSpec:
     """The resolved, checked `LossSpec` of these settings (module docstring); `region`: the trust regions' own
-    parameters by name (None = the region's default; a name no region takes is an error, one that only other regions
-    take is checked and left out). ValueError whose message starts with the setting's name."""
+    parameters by name (None = the region's default; a name no region takes is an error, and so is a value given for
+    a parameter that only other regions take: it would have no effect). ValueError whose message starts with the
+    setting's name."""
     check_choice("loss", loss, LOSS_KINDS)
     if trust_region not in TRUST_REGIONS:
         raise ValueError(f"trust_region: unknown value {trust_region!r}; valid: {', '.join(TRUST_REGIONS)}")

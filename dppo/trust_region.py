@@ -14,7 +14,8 @@ Top-K regions; None otherwise). r_t = π/anchor. δ_high / ε_high apply where �
 `TRUST_REGIONS` maps a name to a `TrustRegion(fn, params, divergence, needs_topk)`, which carries everything
 about a region: `params` names every scalar parameter of the mask with its default (None = must be given),
 its check and its help text (the config fields `loss.<param>` and the CLI flags `--loss.<param>` are made
-from them, and `region_params` is the one place they are checked); `divergence` names the estimate the mask
+from them, and `region_params` is the one place they are checked: a value given for a parameter the region does not
+take is an error naming the regions that take it); `divergence` names the estimate the mask
 is defined on ("binary_tv", "binary_kl", "topk_tv", "topk_kl" or None); `needs_topk` says the engine must
 record µ's top-K; `inputs` names the extra per-token tensors the mask takes by keyword ("staleness": each token's
 measured version lag τ_t, in training steps); `batch_stats` names the statistics of the whole optimiser batch the
@@ -59,6 +60,7 @@ __all__ = [
     "token_mis",
     "gspo",
     "region_params",
+    "regions_taking",
     "BatchStat",
     "needs_topk",
     "DEFAULT_TOP_K",
@@ -432,11 +434,19 @@ DEFAULT_TOP_K = 20
 
 def region_params(trust_region: str, given: dict[str, Any]) -> dict[str, Any]:
     """The keyword parameters of `trust_region`'s mask: `given` values (None = the default), each checked.
-    ValueError naming the parameter (an unknown region, a value failing its check, a missing required one)."""
+    ValueError naming the parameter (an unknown region, a value given for a parameter the region does not take, a
+    value failing its check, a missing required one)."""
     if trust_region not in TRUST_REGIONS:
         raise ValueError(f"trust_region: unknown value {trust_region!r}; valid: {', '.join(sorted(TRUST_REGIONS))}")
+    own = TRUST_REGIONS[trust_region].params
+    for name, value in given.items():
+        if value is not None and name not in own:
+            takers = regions_taking(name)
+            raise ValueError(f"{name}: not a parameter of trust region {trust_region!r} (which takes "
+                             f"{', '.join(own) or 'no parameter'}); "
+                             + (f"it is taken by {', '.join(takers)}" if takers else "no trust region takes it"))
     out = {}
-    for name, param in TRUST_REGIONS[trust_region].params.items():
+    for name, param in own.items():
         value = given.get(name)
         value = param.default if value is None else value
         if value is None:
@@ -454,6 +464,11 @@ def _checked(name: str, param: Param, value: Any) -> Any:
     if not param.check(value):
         raise ValueError(f"{name}: expected {param.expect}, got {value!r}")
     return value
+
+
+def regions_taking(name: str) -> tuple[str, ...]:
+    """The trust regions that take parameter `name`, in registry order."""
+    return tuple(region for region, entry in TRUST_REGIONS.items() if name in entry.params)
 
 
 def all_params() -> dict[str, Param]:

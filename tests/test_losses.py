@@ -447,7 +447,7 @@ SPEC_ERRORS = [
     ({"loss": "drpo", "sequence_mask": "mean_k3"}, r"^sequence_mask: drpo has no mask"),
     ({"sequence_sides": "positive"}, r"^sequence_sides: unknown value 'positive'"),
     ({"sequence_mask": "mean_k3", "sequence_delta": NAN}, r"^sequence_delta: expected a finite number"),
-    ({"eps_low": -1.0}, r"^eps_low: expected > 0"),  # another region's parameter is checked too
+    ({"eps_low": 0.2}, r"^eps_low: not a parameter of trust region 'dppo_binary_tv'"),  # another region's
     ({"delta": 0.1}, r"^delta: not a parameter of any trust region"),
     ({"is_cap": True}, r"^is_cap: expected a number > 0"),
 ]
