@@ -109,10 +109,10 @@ def test_eval_size_is_honoured_for_every_task_kind(kind, eval_size, tmp_path):
 
 
 def test_eval_with_eval_size_0_is_refused_naming_the_field(tmp_path):
-    from dppo.train.evaluation import evaluate_checkpoints
+    from dppo.train.evaluation import evaluate_checkpoint
 
     with pytest.raises(ValueError, match=r"^task.eval_size: 'file' has no held-out questions"):
-        evaluate_checkpoints(_file_config(tmp_path, 0), None)
+        evaluate_checkpoint(_file_config(tmp_path, 0), None)
 
 
 def test_with_an_environment_the_task_reward_is_not_used_and_the_run_says_so():

@@ -1,6 +1,5 @@
-"""Evaluation on held-out questions (sampled pass@1, pass@k and maj@k, mean reward) through the run's episodes, the same path as
-training (single answers and multi-turn episodes alike). Used by the trainer,
-`dppo eval` and the studies.
+"""Evaluation on held-out questions (sampled pass@1, pass@k and maj@k, mean reward) through the run's episodes, the same
+path as training (single answers and multi-turn episodes alike). Used by the trainer, `dppo eval` and the studies.
 """
 
 from __future__ import annotations
@@ -145,4 +144,10 @@ def evaluate_checkpoints(cfg: Config, run_dir: Path | None, *, step: int | None 
             source.close()
 
 
-__all__ = ["engine_prompts", "evaluate", "evaluate_checkpoints", "load_checkpoint_weights", "vote_rule"]
+def evaluate_checkpoint(cfg: Config, run_dir: Path | None, **kwargs: Any) -> dict[str, Any]:
+    """`evaluate_checkpoints` of one model: the base model, or the newest checkpoint of `run_dir` (or `step=N`'s)."""
+    return evaluate_checkpoints(cfg, run_dir, every=False, **kwargs)[0]
+
+
+__all__ = ["engine_prompts", "evaluate", "evaluate_checkpoint", "evaluate_checkpoints", "load_checkpoint_weights",
+           "vote_rule"]
