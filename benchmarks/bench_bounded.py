@@ -84,7 +84,7 @@ def feedback_steps(episodes: int, steps: int):
 
     from dppo.envs import make_environment
     from dppo.runtime.models import char_tokenizer, save_model, tiny_random_model
-    from dppo.studies.agent_sft import agent_sft
+    from dppo.train.sft import agent_sft
     from dppo.tasks import make_task
     from dppo.train.config import Config, replace
     from dppo.train.trainer import Trainer

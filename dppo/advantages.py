@@ -1,4 +1,4 @@
-"""Advantage estimators (spec §5): sequence rewards [B] -> sequence advantages [B].
+"""Advantage estimators (App. C): sequence rewards [B] -> sequence advantages [B].
 
 Rewards come prompt-major: B = P·G with the G responses to each prompt contiguous. Estimators:
 - "group_mean" (default, paper App. C): Â = R − mean of the group's rewards, no division by std.

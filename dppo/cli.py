@@ -45,7 +45,6 @@ from dppo.run_files.checkpoint import CheckpointError, load_checkpoint, load_lat
 from dppo.run_files.export import export_model
 from dppo.runtime.noise import quiet_third_party
 from dppo.run_files.run_dir import JsonlWriter, RunDirError, checkpoint_path, complete_checkpoints, guard, write_atomic
-from dppo.studies.agent_sft import agent_sft, save_model
 from dppo.studies.diagnose.cli import cmd_diagnose as diagnose_command
 from dppo.studies.sanity import cmd_sanity as sanity_command
 from dppo.train.build import build_model, build_task, check_environment
@@ -54,6 +53,7 @@ from dppo.train.distributed import DistributedError, world_from_env
 from dppo.train.evaluation import evaluate_checkpoints, load_checkpoint_weights
 from dppo.train.plot import plot_runs
 from dppo.train.presets import PRESETS, get_preset
+from dppo.train.sft import agent_sft, save_model
 from dppo.train.trainer import Trainer
 
 _TOP = """Top-level options (before or among the field flags):
@@ -313,7 +313,7 @@ def cmd_presets(argv: list[str]) -> int:
 
 
 def cmd_sft(argv: list[str]) -> int:
-    """A supervised warm start on the environment's demonstrations (dppo.studies.agent_sft), saved as a model folder
+    """A supervised warm start on the environment's demonstrations (dppo.train.sft), saved as a model folder
     that `dppo train --model.name DIR` starts RL from."""
     p = argparse.ArgumentParser(prog="dppo sft", add_help=False, description="Supervised warm start on the config's "
                                 "environment's demonstrations (the tool format), saved as a Hugging Face model folder. "

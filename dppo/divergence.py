@@ -1,4 +1,4 @@
-"""Per-token divergence estimates between the rollout policy µ and the current policy π (spec §2).
+"""Per-token divergence estimates between the rollout policy µ and the current policy π (Eqs. 13–16, App. B).
 
 All functions are pure, take log-probabilities and return D(µ ‖ π) (direction µ first):
 

@@ -1,12 +1,13 @@
 """One resolved loss specification: `loss_spec` turns loss settings into a frozen `LossSpec`, every value resolved.
 
-The settings are those of the `loss` config section (`dppo.train.config.LossConfig`) and of TRL's `DPPOConfig`: the
-loss (masked_is = Eq. 23 with a trust-region mask, drpo = DRPO's penalty), the trust region and its parameters
-(`dppo.trust_region.TRUST_REGIONS`), the mask's anchor, the importance-weight cap C, the aggregation (spec §6), the
-sequence mask (`dppo.sequence_mask`) with its δ, unit and sides, and DRPO's δ. Each is checked here, once, with a
-ValueError whose message starts with the setting's name; a default left unset (None) is filled in here, once:
-the region's δ/ε/... from its registry entry, the sequence mask's δ from `SEQUENCE_DELTAS` (∞ for "none": no unit is
-dropped), DRPO's δ 0.15. `dppo.losses.policy_loss` and the other `LOSSES` take the spec and check no setting again.
+The settings are those of the `loss` config section (`dppo.train.config.LossConfig`) and of TRL's `DPPOConfig`: the loss
+(masked_is = Eq. 23 with a trust-region mask, drpo = DRPO's penalty), the trust region and its parameters
+(`dppo.trust_region.TRUST_REGIONS`), the mask's anchor, the importance-weight cap C, the aggregation
+(`dppo.losses.aggregate`), the sequence mask (`dppo.sequence_mask`) with its δ, unit and sides, and DRPO's δ. Each is
+checked here, once, with a ValueError whose message starts with the setting's name; a default left unset (None) is
+filled in here, once: the region's δ/ε/... from its registry entry, the sequence mask's δ from `SEQUENCE_DELTAS` (∞ for
+"none": no unit is dropped), DRPO's δ 0.15. `dppo.losses.policy_loss` and the other `LOSSES` take the spec and check no
+setting again.
 
 Pure: no config objects, no tensors; the trainer, the TRL adapter and verl's build their spec with `loss_spec`.
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 from dppo._checks import check_choice
 from dppo.sequence_mask import SEQUENCE_MASKS, SEQUENCE_SIDES, SEQUENCE_UNITS
-from dppo.trust_region import TRUST_REGIONS, TrustRegion, all_params, check_param, region_params
+from dppo.trust_region import TRUST_REGIONS, TrustRegion, all_params, region_params
 
 __all__ = ["AGGREGATIONS", "ANCHORS", "DRPO_DELTA", "IS_WEIGHTS", "LOSS_KINDS", "SEQUENCE_DELTAS", "LossSpec", "loss_spec"]
 
@@ -91,13 +92,11 @@ def _number(x: Any) -> bool:
 
 
 def _region(trust_region: str, given: dict[str, Any]) -> dict[str, Any]:
-    """The region's parameters resolved; every parameter given (not None) checked, whichever region takes it."""
+    """The region's parameters resolved and checked (`region_params`): a name no region takes, or a value (not None)
+    for a parameter this region does not take, is an error naming the parameter."""
     unknown = sorted(set(given) - set(all_params()))
     if unknown:
         raise ValueError(f"{unknown[0]}: not a parameter of any trust region; valid: {', '.join(sorted(all_params()))}")
-    for name, value in given.items():
-        if value is not None:
-            check_param(name, value)
     return region_params(trust_region, given)
 
 
@@ -115,8 +114,9 @@ def loss_spec(*, loss: str = "masked_is", trust_region: str = "dppo_binary_tv", 
               sequence_delta: float | None = None, sequence_unit: str = "response", sequence_sides: str = "both",
               drpo_delta: float | None = None, **region: Any) -> LossSpec:
     """The resolved, checked `LossSpec` of these settings (module docstring); `region`: the trust regions' own
-    parameters by name (None = the region's default; a name no region takes is an error, one that only other regions
-    take is checked and left out). ValueError whose message starts with the setting's name."""
+    parameters by name (None = the region's default; a name no region takes is an error, and so is a value given for
+    a parameter that only other regions take: it would have no effect). ValueError whose message starts with the
+    setting's name."""
     check_choice("loss", loss, LOSS_KINDS)
     if trust_region not in TRUST_REGIONS:
         raise ValueError(f"trust_region: unknown value {trust_region!r}; valid: {', '.join(TRUST_REGIONS)}")

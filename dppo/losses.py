@@ -1,4 +1,4 @@
-"""The policy losses (spec §4, §6): the masked, importance-weighted surrogate of Eq. 23, DRPO, aggregation.
+"""The policy losses: the masked, importance-weighted surrogate of Eq. 23, DRPO, aggregation.
 
 Eq. 23, per token:  ℓ_t = − keep_t · sg(min(r_t, C)) · Â_t · log π(a_t|s_t),
 so ∇ℓ_t = − keep_t · min(r_t, C) · Â_t · ∇log π(a_t|s_t), with r_t = exp(clamp(log π − log µ, max=20))
@@ -8,7 +8,8 @@ every DPPO variant are this one function with a different mask, anchor and cap. 
 replace min(r_t, C) by another weight (`dppo.loss_spec.IS_WEIGHTS`: verl's/TRL's decoupled token TIS
 min(π_old/µ, C)·π/π_old, the bare PPO ratio, GSPO's sequence ratio), always detached and multiplying ∇log π.
 
-Aggregation modes (spec §6), over a [B, T] per-token loss and `response_mask`:
+Aggregation modes (docs/library.md, "Decisions where the paper left room"), over a [B, T] per-token loss and
+`response_mask`:
 - "token-mean":              Σ_{b,t} ℓ / (number of active tokens)
 - "seq-mean-token-mean":     mean over sequences of (Σ_t ℓ / active tokens of the sequence)
 - "seq-mean-token-sum":      mean over sequences of Σ_t ℓ

@@ -1,5 +1,5 @@
-"""Token statistics of a training step (spec §8), written once: mismatch between µ and π, masked shares, the µ
-bucket of masked tokens, importance-ratio statistics and per-group (per-staleness) sums.
+"""Token statistics of a training step (logged under the names of `NAMES`), written once: mismatch between µ and
+π, masked shares, the µ bucket of masked tokens, importance-ratio statistics and per-group (per-staleness) sums.
 
 The trainer (`dppo.train.trainer`), the TRL adapter (`dppo.integrations.trl`) and `dppo diagnose` all read their
 per-token statistics from here, so that a metric means the same thing wherever it is logged. Every function is
@@ -103,7 +103,7 @@ def _mean(x: Tensor, response_mask: Tensor, n: Tensor) -> Tensor:
 @torch.no_grad()
 def token_mismatch(logp: Tensor, rollout_logp: Tensor, *, logp_cells: Tensor | None = None,
                    rollout_cells: Tensor | None = None, cells_valid: Tensor | None = None) -> dict[str, Tensor]:
-    """Per-token mismatch estimates between µ and π (spec §2), each shaped like `logp` (float32 or wider).
+    """Per-token mismatch estimates between µ and π (Eqs. 13–16), each shaped like `logp` (float32 or wider).
 
     logp, rollout_logp: log π and log µ of the sampled tokens, any shape [...]. logp_cells, rollout_cells,
     cells_valid: π's and µ's log-probs at µ's K+1 cells and which slots are used, [..., K+1] (give the two

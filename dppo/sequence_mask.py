@@ -2,7 +2,7 @@
 exceeds a threshold. They compose with any token-level trust region (`dppo.trust_region`): the loss keeps a token
 only when both masks keep it.
 
-Why: the bounds of spec §1 (Thm 3.2) grow with the horizon T, so a long response with a few tokens far from µ can
+Why: the bounds of the paper's Thm 3.2 grow with the horizon T, so a long response with a few tokens far from µ can
 cost more than the per-token region admits ("Trust Region Masking", arXiv 2512.23075, which masks a sequence on its
 largest token divergence or its mean k3 estimate; DeepSeek-V3.2's off-policy sequence mask, which masks a sequence
 with negative advantage whose mean log(µ/π) is too large, is `mean_k1` with sides "negative").

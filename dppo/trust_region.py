@@ -1,4 +1,5 @@
-"""Trust-region masks (spec §3): which tokens keep their policy-gradient term.
+"""Trust-region masks (Eq. 12, and the baselines' rules of docs/library.md): which tokens keep their policy-gradient
+term.
 
 Every mask has the same signature
 
@@ -13,7 +14,8 @@ Top-K regions; None otherwise). r_t = π/anchor. δ_high / ε_high apply where �
 `TRUST_REGIONS` maps a name to a `TrustRegion(fn, params, divergence, needs_topk)`, which carries everything
 about a region: `params` names every scalar parameter of the mask with its default (None = must be given),
 its check and its help text (the config fields `loss.<param>` and the CLI flags `--loss.<param>` are made
-from them, and `region_params` is the one place they are checked); `divergence` names the estimate the mask
+from them, and `region_params` is the one place they are checked: a value given for a parameter the region does not
+take is an error naming the regions that take it); `divergence` names the estimate the mask
 is defined on ("binary_tv", "binary_kl", "topk_tv", "topk_kl" or None); `needs_topk` says the engine must
 record µ's top-K; `inputs` names the extra per-token tensors the mask takes by keyword ("staleness": each token's
 measured version lag τ_t, in training steps); `batch_stats` names the statistics of the whole optimiser batch the
@@ -58,7 +60,7 @@ __all__ = [
     "token_mis",
     "gspo",
     "region_params",
-    "region_inputs",
+    "regions_taking",
     "BatchStat",
     "needs_topk",
     "DEFAULT_TOP_K",
@@ -432,11 +434,19 @@ DEFAULT_TOP_K = 20
 
 def region_params(trust_region: str, given: dict[str, Any]) -> dict[str, Any]:
     """The keyword parameters of `trust_region`'s mask: `given` values (None = the default), each checked.
-    ValueError naming the parameter (an unknown region, a value failing its check, a missing required one)."""
+    ValueError naming the parameter (an unknown region, a value given for a parameter the region does not take, a
+    value failing its check, a missing required one)."""
     if trust_region not in TRUST_REGIONS:
         raise ValueError(f"trust_region: unknown value {trust_region!r}; valid: {', '.join(sorted(TRUST_REGIONS))}")
+    own = TRUST_REGIONS[trust_region].params
+    for name, value in given.items():
+        if value is not None and name not in own:
+            takers = regions_taking(name)
+            raise ValueError(f"{name}: not a parameter of trust region {trust_region!r} (which takes "
+                             f"{', '.join(own) or 'no parameter'}); "
+                             + (f"it is taken by {', '.join(takers)}" if takers else "no trust region takes it"))
     out = {}
-    for name, param in TRUST_REGIONS[trust_region].params.items():
+    for name, param in own.items():
         value = given.get(name)
         value = param.default if value is None else value
         if value is None:
@@ -456,6 +466,11 @@ def _checked(name: str, param: Param, value: Any) -> Any:
     return value
 
 
+def regions_taking(name: str) -> tuple[str, ...]:
+    """The trust regions that take parameter `name`, in registry order."""
+    return tuple(region for region, entry in TRUST_REGIONS.items() if name in entry.params)
+
+
 def all_params() -> dict[str, Param]:
     """Every parameter name of every trust region, first definition wins (the config makes one field of each)."""
     out: dict[str, Param] = {}
@@ -465,14 +480,7 @@ def all_params() -> dict[str, Param]:
     return out
 
 
-def region_inputs(name: str) -> tuple[str, ...]:
-    """The extra per-token tensors the mask of trust region `name` takes ("staleness"), by keyword."""
-    return TRUST_REGIONS[name].inputs
-
-
 def needs_topk(name: str) -> bool:
     """True for trust regions whose mask reads a caller-computed Top-K `divergence` (µ's top-K must be recorded)."""
     return TRUST_REGIONS[name].needs_topk
 
-
-needs_divergence = needs_topk  # the earlier name, kept for library users

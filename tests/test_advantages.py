@@ -1,4 +1,4 @@
-"""Tests of dppo.advantages (spec §5): each estimator on hand cases, properties shared by the registry,
+"""Tests of dppo.advantages (App. C): each estimator on hand cases, properties shared by the registry,
 zero-advantage groups, the RLOO identity and bad group sizes."""
 
 from __future__ import annotations

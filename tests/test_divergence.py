@@ -1,4 +1,4 @@
-"""Tests of dppo.divergence (spec §2, App. B): hand values, float32 accuracy against an mpmath reference,
+"""Tests of dppo.divergence (Eqs. 13–16, App. B): hand values, float32 accuracy against an mpmath reference,
 Top-K cells with the "other" bucket and unused slots, and the partition lower-bound properties."""
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def kl2(m: float, p: float) -> float:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_binary_spec_examples():
-    # Spec §1: µ = 1e-4 -> π = 1e-2 (r = 100, little mass moved); µ = 0.99 -> π = 0.80 (r ≈ 0.81, 0.19 moved).
+def test_binary_paper_examples():
+    # The paper's §3 example: µ = 1e-4 -> π = 1e-2 (r = 100, little mass moved); µ = 0.99 -> π = 0.80 (r ≈ 0.81,
+    # 0.19 moved).
     m, p = [1e-4, 0.99], [1e-2, 0.80]
     assert_close(binary_tv(logs(p), logs(m)), t([0.0099, 0.19]))
     assert_close(binary_kl(logs(p), logs(m)), t([kl2(1e-4, 1e-2), kl2(0.99, 0.80)]))

@@ -101,7 +101,10 @@ def test_every_trust_region_parameter_is_a_config_field_and_a_flag(capsys):
     with pytest.raises(ConfigError, match=r"^loss\.cppo_q: expected in \[0, 1\], got 1\.5"):
         replace(get_preset("smoke"), loss={"trust_region": "cppo", "cppo_q": 1.5})
     with pytest.raises(ConfigError, match=r"^loss\.neg_delta: expected > 0"):
-        replace(get_preset("smoke"), loss={"neg_delta": -1.0})  # checked even when another region is chosen
+        replace(get_preset("smoke"), loss={"trust_region": "pg_is_neg_mask", "neg_delta": -1.0})
+    with pytest.raises(ConfigError, match=r"^loss\.neg_delta: not a parameter of trust region 'dppo_binary_tv'.*; "
+                                          r"it is taken by pg_is_neg_mask$"):  # another region's: refused
+        replace(get_preset("smoke"), loss={"neg_delta": 0.8})
 
 
 def test_a_saved_config_with_region_parameters_round_trips(tmp_path):
@@ -113,7 +116,8 @@ def test_a_saved_config_with_region_parameters_round_trips(tmp_path):
 def test_top_k_defaults_to_20_only_where_a_trust_region_needs_it():
     assert get_preset("demo").top_k_logprobs == 0
     for name, region in TRUST_REGIONS.items():
-        cfg = replace(get_preset("demo"), loss={"trust_region": name, "relax_alpha": 0.1})
+        required = {"relax_alpha": 0.1} if "relax_alpha" in region.params else {}  # ppo_clip_relax's, no default
+        cfg = replace(get_preset("demo"), loss={"trust_region": name, **required})
         assert cfg.top_k_logprobs == (DEFAULT_TOP_K if region.needs_topk else 0)
     assert replace(get_preset("demo"), rollout={"top_k_logprobs": 5}).top_k_logprobs == 5
     with pytest.raises(ConfigError, match=r"^rollout\.top_k_logprobs: trust region 'dppo_topk_kl' needs"):
@@ -161,7 +165,13 @@ def test_a_config_written_before_the_registry_fields_loads_once_its_moved_fields
     data["rollout"]["vllm"] = {"kv_cache_gb": data["rollout"].pop("vllm_kv_cache_gb"),
                                "gpu_memory_utilization": data["rollout"].pop("vllm_gpu_memory_utilization")}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    # relax_side (then a field of every config, default both) is a parameter only ppo_clip_relax takes
+    with pytest.raises(ConfigError, match=r"^loss\.relax_side: not a parameter of trust region 'dppo_topk_kl' "
+                                          r"\(which takes delta_low, delta_high\); it is taken by ppo_clip_relax$"):
+        Config.load(tmp_path / "config.yaml")
+    del data["loss"]["relax_side"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
     cfg = Config.load(tmp_path / "config.yaml")
-    assert cfg.loss.trust_region == "dppo_topk_kl" and cfg.loss.relax_side == "both" and cfg.loss.cppo_q is None
+    assert cfg.loss.trust_region == "dppo_topk_kl" and cfg.loss.relax_side is None and cfg.loss.cppo_q is None
     assert cfg.rollout.dtype == "bfloat16" and cfg.top_k_logprobs == 20
     assert cfg.train.scoring_layout == "auto" and cfg.rollout.hf.max_batch_rows == 0

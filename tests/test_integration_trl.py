@@ -129,16 +129,16 @@ def test_config_defaults_are_dppos(integ, tmp_path):
     cfg = integ.DPPOConfig(output_dir=str(tmp_path), use_cpu=True)
     ref = LossConfig()
     assert (cfg.trust_region, cfg.is_cap, cfg.anchor) == (ref.trust_region, ref.is_cap, ref.anchor)
-    assert cfg.region_settings() == {"delta_low": 0.15, "delta_high": 0.15}
+    assert dict(cfg.spec().params) == {"delta_low": 0.15, "delta_high": 0.15}
     assert cfg.spec() == LossConfig(aggregation="token-mean").spec()  # TRL's default loss_type "dapo": token-mean
     assert cfg.resolved_top_k_logprobs == 0 and cfg.aggregation == "token-mean"  # TRL's default loss_type "dapo"
     assert cfg.vllm_importance_sampling_correction is False
     topk = integ.DPPOConfig(output_dir=str(tmp_path), use_cpu=True, trust_region="dppo_topk_kl", loss_type="dr_grpo",
                             epsilon_high=0.3)
-    assert topk.resolved_top_k_logprobs == 20 and topk.region_settings() == {"delta_low": 0.05, "delta_high": 0.05}
+    assert topk.resolved_top_k_logprobs == 20 and dict(topk.spec().params) == {"delta_low": 0.05, "delta_high": 0.05}
     assert topk.aggregation == "seq-mean-token-sum-norm"
     clip = integ.DPPOConfig(output_dir=str(tmp_path), use_cpu=True, trust_region="ppo_clip")
-    assert clip.region_settings() == {"eps_low": 0.2, "eps_high": 0.28}
+    assert dict(clip.spec().params) == {"eps_low": 0.2, "eps_high": 0.28}
 
 
 def test_the_adapters_import_nothing_from_the_trainer():

@@ -58,10 +58,10 @@ def test_dppo_raises_training_reward(warm_model, tmp_path):
 
 @pytest.fixture(scope="module")
 def warm_chat_model(tmp_path_factory):
-    """The tiny model warm-started by `dppo.studies.agent_sft` on the feedback environment's demonstrations: the
+    """The tiny model warm-started by `dppo.train.sft` on the feedback environment's demonstrations: the
     episode layout (chat template, the answer and EOS as the assistant turn), as RL will see it."""
     from dppo.envs import make_environment
-    from dppo.studies.agent_sft import agent_sft
+    from dppo.train.sft import agent_sft
 
     tok = char_tokenizer()
     task = make_task("addition", digits=1, size=80, eval_size=20, seed=0)

@@ -1,5 +1,5 @@
-"""Tests of dppo.losses (spec §4, §6): Eq. 23 against its formula, the IS cap, the four aggregation modes,
-micro-batch invariance, metrics, fp32 vs bf16, DRPO, NaN handling and the bad-input table."""
+"""Tests of dppo.losses: Eq. 23 against its formula, the IS cap, the four aggregation modes, micro-batch invariance,
+metrics, fp32 vs bf16, DRPO, NaN handling and the bad-input table."""
 
 from __future__ import annotations
 
@@ -261,7 +261,8 @@ def test_drpo_value_and_gradient(mode, delta):
     logp = b["logp"].clone().requires_grad_(True)
     loss, _ = drpo_loss(logp, b["rollout_logp"], b["adv"], b["mask"], delta=delta, aggregation=mode)
     loss.backward()
-    # Spec §3: objective Σ_t [r Â − |Â|/(2δ) · m · (r − 1)²], r = π/µ with gradient, no cap; loss = −objective.
+    # DRPO's objective (`drpo_loss`): Σ_t [r Â − |Â|/(2δ) · m · (r − 1)²], r = π/µ with gradient, no cap;
+    # loss = −objective.
     r = torch.exp(b["logp"] - b["rollout_logp"])
     m, A = b["rollout_logp"].exp(), b["adv"][:, None]
     tok = -(r * A - A.abs() / (2 * delta) * m * (r - 1) ** 2)
@@ -446,7 +447,7 @@ SPEC_ERRORS = [
     ({"loss": "drpo", "sequence_mask": "mean_k3"}, r"^sequence_mask: drpo has no mask"),
     ({"sequence_sides": "positive"}, r"^sequence_sides: unknown value 'positive'"),
     ({"sequence_mask": "mean_k3", "sequence_delta": NAN}, r"^sequence_delta: expected a finite number"),
-    ({"eps_low": -1.0}, r"^eps_low: expected > 0"),  # another region's parameter is checked too
+    ({"eps_low": 0.2}, r"^eps_low: not a parameter of trust region 'dppo_binary_tv'"),  # another region's
     ({"delta": 0.1}, r"^delta: not a parameter of any trust region"),
     ({"is_cap": True}, r"^is_cap: expected a number > 0"),
 ]

@@ -1,5 +1,5 @@
-"""Training precision (`model.precision`): the `auto` rule with faked hardware, the config's refusals and its old
-field, the resolved value in config.yaml, fp16's loss scaling (a step whose gradients overflow is skipped, counted,
+"""Training precision (`model.precision`): the `auto` rule with faked hardware, the config's refusals,
+the resolved value in config.yaml, fp16's loss scaling (a step whose gradients overflow is skipped, counted,
 and the weights and optimiser state are untouched), and π's log-probs staying float32 under every autocast."""
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ def _fp16_optimizer(model: nn.Module, announced: list[str]) -> GuardedOptimizer:
                             loss_scaling=True)
 
 
+def _set_loss_scale(opt: GuardedOptimizer, scale: float) -> None:
+    """Set the fp16 loss scale of `opt` (its scaler's state otherwise as it is)."""
+    opt.scaler.load_state_dict({**opt.scaler.state_dict(), "scale": float(scale)})
+
+
 def _fp16_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast("cpu", dtype=torch.float16):
         return model(x).float().pow(2).mean()
@@ -104,7 +109,7 @@ def test_fp16_loss_scaling_skips_an_overflowing_step_and_counts_it():
     model, x, announced = nn.Linear(8, 8), torch.randn(4, 8), []
     opt = _fp16_optimizer(model, announced)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    opt.set_loss_scale(2.0 ** 120)  # scaled gradients beyond fp16's 65504: the backward overflows
+    _set_loss_scale(opt, 2.0 ** 120)  # scaled gradients beyond fp16's 65504: the backward overflows
     loss = _fp16_loss(model, x)
     opt.backward(loss)
     opt.step(torch.isfinite(loss.detach()), step=1)
@@ -114,7 +119,7 @@ def test_fp16_loss_scaling_skips_an_overflowing_step_and_counts_it():
     assert opt.loss_scale == 2.0 ** 119  # backed off
     assert "fp16 gradient (overflow; loss scale now" in announced[0]
 
-    opt.set_loss_scale(2.0 ** 10)  # a scale that fits: the step applies, unscaled
+    _set_loss_scale(opt, 2.0 ** 10)  # a scale that fits: the step applies, unscaled
     loss = _fp16_loss(model, x)
     opt.backward(loss)
     norm = opt.step(torch.isfinite(loss.detach()), step=2)
@@ -147,7 +152,7 @@ def test_fp16_overflows_count_towards_the_skip_limit():
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="3 consecutive optimiser steps skipped"):
         for step in range(1, 5):
-            opt.set_loss_scale(2.0 ** 120)
+            _set_loss_scale(opt, 2.0 ** 120)
             loss = _fp16_loss(model, x)
             opt.backward(loss)
             opt.step(torch.isfinite(loss.detach()), step=step)
@@ -159,11 +164,11 @@ def test_fp16_trainer_with_fp16_engine_trains_and_its_scale_survives_a_resume(tm
     with Trainer(cfg, tmp_path) as trainer:
         assert trainer.autocast is torch.float16 and trainer.optim.scaler is not None
         before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-        trainer.optim.set_loss_scale(2.0 ** 120)  # the first step's gradients overflow
+        _set_loss_scale(trainer.optim, 2.0 ** 120)  # the first step's gradients overflow
         first = trainer.step()
         assert first["optim/overflow_steps_total"] >= 1 and first["optim/skipped_steps_total"] >= 1
         assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
-        trainer.optim.set_loss_scale(2.0 ** 10)
+        _set_loss_scale(trainer.optim, 2.0 ** 10)
         second = trainer.step()
         assert second["optim/skipped_steps_total"] == first["optim/skipped_steps_total"]  # nothing more skipped
         assert second["optim/loss_scale"] == 2.0 ** 10

@@ -1,12 +1,12 @@
-"""The paper's theory checked by exact enumeration on tabular autoregressive policies (spec §1, App. B).
+"""The paper's theory checked by exact enumeration on tabular autoregressive policies (the paper's §3, App. A and B).
 
 A tabular policy (dppo.studies.theory) has a next-token distribution for every prefix of length < T over V tokens;
 with V ≤ 4 and T ≤ 4 every expectation is an exact sum over ≤ 256 sequences, in float64. Statements
 checked (µ = rollout policy, π = trained policy, r_t = π(y_t|s_t)/µ(y_t|s_t), ξ = max_y |R(y)|):
 
-- Thm 3.1 (spec §1): J(π) − J(µ) = L′ − Δ, L′ = E_µ[R Σ_t (r_t − 1)], Δ = E_µ[R Σ_t (r_t − 1)(1 − Π_{j>t} r_j)].
+- Thm 3.1: J(π) − J(µ) = L′ − Δ, L′ = E_µ[R Σ_t (r_t − 1)], Δ = E_µ[R Σ_t (r_t − 1)(1 − Π_{j>t} r_j)].
   (It holds because Σ_t (r_t − 1) Π_{j>t} r_j telescopes to Π_j r_j − 1, and E_µ[R (Π_j r_j − 1)] = J(π) − J(µ).)
-- Thm 3.2 (spec §1): J(π) − J(µ) ≥ L′ − 2ξT(T−1)(D_TV^max)² and J(π) − J(µ) ≥ L′ − 4ξ E_µ[Σ_t D_TV(s_t)],
+- Thm 3.2: J(π) − J(µ) ≥ L′ − 2ξT(T−1)(D_TV^max)² and J(π) − J(µ) ≥ L′ − 4ξ E_µ[Σ_t D_TV(s_t)],
   D_TV^max = max over all states of D_TV(µ(·|s) ‖ π(·|s)). The second is the paper's "tighter bound" of the
   appendix (the composite bound takes the min of the two penalties).
 - Lemma A.1, the sequence-level TV bound used in the proof of Thm 3.2:
@@ -20,7 +20,8 @@ checked (µ = rollout policy, π = trained policy, r_t = π(y_t|s_t)/µ(y_t|s_t)
 - App. B: any partition of the vocabulary gives TV and KL(µ‖π) no larger than the full ones. Here on every
   state of tabular pairs, for every sampled token and every K: Binary ≤ Top-K ≤ Full, with the gaps
   computed exactly (so equality holds exactly when µ − π has one sign, resp. π/µ is constant, in each cell).
-- The spec §1 examples through the TRUST_REGIONS masks.
+- The paper's §3 over-clipping example (a rare token pushed up, a likely one pushed down) through the
+  TRUST_REGIONS masks.
 tests/test_divergence.py covers the partition properties on single random distributions; this file works on
 whole tabular policies and on the theorems.
 """
@@ -401,7 +402,7 @@ def state_table(policy: TabularPolicy) -> torch.Tensor:
 
 
 def topk_cells(lmu: torch.Tensor, lpi: torch.Tensor, k: int):
-    """For every state [S] and every sampled token a [V]: the spec's Top-K cells S = µ's top-k ∪ {a}, as
+    """For every state [S] and every sampled token a [V]: the paper's Top-K cells S = µ's top-k ∪ {a}, as
     (cells_mu, cells_pi, valid) of shape [S, V, k+1] (slot k holds a, or an unused duplicate when a ∈ top-k),
     and `other` [S, V, V] True for the tokens in the "other" bucket."""
     S, V = lmu.shape
@@ -513,11 +514,11 @@ def test_app_b_equality_cases_constructed_on_every_state():
 
 
 # ------------------------------------------------------------------------------------------------
-# Spec §1 examples through the trust-region masks
+# The paper's §3 examples through the trust-region masks
 # ------------------------------------------------------------------------------------------------
 
 
-def test_spec_section1_examples_ppo_vs_dppo_masks():
+def test_paper_section3_examples_ppo_vs_dppo_masks():
     # Token 0: µ = 1e-4 -> π = 1e-2 with Â > 0 (a rare token pushed up). Token 1: µ = 0.99 -> π = 0.80 with
     # Â < 0 (a likely token pushed down). PPO (ε_low 0.2, ε_high 0.28) masks the first (r = 100 > 1.28) and
     # keeps the second (r ≈ 0.808 ≥ 0.8); DPPO Binary-TV (δ = 0.15) keeps the first (D = 0.0099) and masks the

@@ -231,7 +231,7 @@ class RunLogger:
             raise
         self._progress = None
         self._lines = progress and not sys.stdout.isatty()  # no terminal (CI, nohup, a log file): a line per step
-        self._total, self._start_step, self._line_every = total_steps, start_step, line_interval(total_steps)
+        self._total, self._line_every = total_steps, line_interval(total_steps)
         self._step_times: list[float] = []
         if progress and not self._lines:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn

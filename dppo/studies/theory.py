@@ -6,7 +6,7 @@ log-probabilities, ``logp[t]`` of shape [V]*(t+1), indexed (y_1, …, y_t, a) ->
 sequence-level quantity is then a [V]*T tensor indexed by the full sequence y, and every expectation
 is an exact sum over the V^T sequences (no sampling). Keep V^T small (tests, diagnostics, figures).
 
-What it computes (µ = rollout policy, π = trained policy, r_t = π(y_t|s_t)/µ(y_t|s_t); spec §1):
+What it computes (µ = rollout policy, π = trained policy, r_t = π(y_t|s_t)/µ(y_t|s_t); the paper's §3):
 - J(p) = Σ_y p(y) R(y), and the terms of the performance-difference identity (Thm 3.1)
   J(π) − J(µ) = L′ − Δ, L′ = E_µ[R Σ_t (r_t − 1)], Δ = E_µ[R Σ_t (r_t − 1)(1 − Π_{j>t} r_j)];
 - per-state TV, its maximum over states and its µ-expected sum along a sequence (the two penalties of

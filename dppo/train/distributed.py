@@ -36,9 +36,6 @@ from torch import Tensor, nn
 
 from dppo.train.config import Config, ConfigError
 
-STRATEGIES = ("ddp", "fsdp2")
-
-
 class DistributedError(RuntimeError):
     """A failure of the process group (rendezvous, a rank that failed); raised on every rank."""
 

@@ -1,6 +1,5 @@
-"""Evaluation on held-out questions (sampled pass@1, pass@k and maj@k, mean reward) through the run's episodes, the same path as
-training (single answers and multi-turn episodes alike), and the decoded responses of a batch. Used by the trainer,
-`dppo eval` and the studies.
+"""Evaluation on held-out questions (sampled pass@1, pass@k and maj@k, mean reward) through the run's episodes, the same
+path as training (single answers and multi-turn episodes alike). Used by the trainer, `dppo eval` and the studies.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from dppo.rollout.base import SamplingParams
 from dppo.rollout.episodes import engine_prompts, episode_rewards, episode_success, first_rows  # (engine_prompts: re-exported for the studies)
 from dppo.rollout.source import EngineSource
 from dppo.rollout.spec import build_engine as engine_from_spec
-from dppo.train.batch import RolloutBatch, collate
+from dppo.train.batch import collate
 from dppo.train.build import build_episodes, build_model, build_task, engine_spec
 from dppo.run_files.checkpoint import load_checkpoint, load_full_state, load_latest
 from dppo.run_files.run_dir import checkpoint_path, complete_checkpoints
@@ -39,12 +38,6 @@ def load_checkpoint_weights(model, weights: dict[str, Tensor], path: Path, *, fl
         raise ValueError(f"{flag}: checkpoint {path} does not match the model (a different model or model.* "
                          f"settings?): unexpected {unexpected[:3]}, missing {missing[:3]}, shape mismatch {shapes[:3]}")
     load_full_state(dist or Dist(), model, weights)
-
-
-def decode_responses(batch: RolloutBatch, tokenizer) -> list[str]:
-    """The response texts of a (CPU) batch, padding and special tokens dropped."""
-    ids = [row[:n].tolist() for row, n in zip(batch.response_ids, batch.response_lengths.tolist())]
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
 def evaluate(source, examples, params: SamplingParams, *, pad_id: int, ks: Sequence[int] | None = None,
@@ -156,5 +149,5 @@ def evaluate_checkpoint(cfg: Config, run_dir: Path | None, **kwargs: Any) -> dic
     return evaluate_checkpoints(cfg, run_dir, every=False, **kwargs)[0]
 
 
-__all__ = ["decode_responses", "engine_prompts", "evaluate", "evaluate_checkpoint", "evaluate_checkpoints", "load_checkpoint_weights",
+__all__ = ["engine_prompts", "evaluate", "evaluate_checkpoint", "evaluate_checkpoints", "load_checkpoint_weights",
            "vote_rule"]

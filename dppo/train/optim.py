@@ -66,10 +66,6 @@ class GuardedOptimizer:
         """fp16: the current loss scale (None without loss scaling)."""
         return None if self.scaler is None else float(self.scaler.get_scale())
 
-    def set_loss_scale(self, scale: float) -> None:
-        """fp16: set the loss scale (the scaler's state otherwise as it is)."""
-        self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": float(scale)})
-
     def step(self, loss_finite: Tensor, step: int) -> Tensor:
         """Clip and step only if the mini-batch's loss and gradient norm are finite; otherwise skip (weights and
         optimiser state untouched) and count it. `step`: the training step being computed. Returns the norm

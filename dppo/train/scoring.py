@@ -1,4 +1,4 @@
-"""The trainer's forward pass: log π(a_t|s_t) of sampled responses, without waste (spec §7 step 3).
+"""The trainer's forward pass: log π(a_t|s_t) of sampled responses, without waste (docs/library.md, "Pure functions").
 
 `score_responses` runs each distinct prompt of a micro-batch once for all the responses to it (G per prompt in
 GRPO-style batches) and applies the lm-head only at response positions through `dppo.logprobs.fused_logprobs`

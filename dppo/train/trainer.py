@@ -1,4 +1,5 @@
-"""The DPPO training loop (spec §7): rollout → reward → advantage → E×M updates → publish weights → log.
+"""The DPPO training loop: rollout → reward → advantage → E×M updates → publish weights → log (docs/library.md,
+"Layout").
 
 `Trainer.step` reads top to bottom, the same in every sampling mode: the batch comes from a `RolloutSource`
 (`dppo.rollout.source`: an engine in this process, the same engine rollout.engine_lag versions behind, or rollout
@@ -69,7 +70,7 @@ class Trainer:
         env_line = check_environment(cfg, self.train_examples)  # env settings fail here, before any model loads
         self.episodes = build_episodes(cfg, self.task)  # every response is an episode of the run's environment
         self.max_response_len = self.episodes.max_tokens
-        self.model, self.tokenizer, self.model_path = build_model(cfg, self.run_dir)
+        self.model, self.tokenizer, _ = build_model(cfg, self.run_dir)
         self.scorer = build_scorer(cfg, self.model, self.dist)  # DDP/FSDP2 under torchrun (FSDP2 shards self.model)
         self.loss_spec = cfg.loss.spec()  # resolved and checked once (dppo.loss_spec)
         self.loss_fn = LOSSES[self.loss_spec.loss]

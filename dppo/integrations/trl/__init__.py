@@ -12,10 +12,11 @@ from; never from a recomputed forward (TRL's `old_per_token_logps` only moves th
   by a logits processor placed last (one [B, V] tensor alive at a time, never all steps' scores);
 - vLLM colocate: TRL's engine runs with ``logprobs_mode="processed_logprobs"`` (the sampled distribution);
 - vLLM server: the same, checked at construction (a server in "raw_logprobs" mode is refused);
-- a `rollout_func`: its "logprobs". For the Top-K regions they are per token the K+1 cells of spec §2 (µ's top-K
-  sorted by µ, then the sampled token when it is not among them, NaN in that slot otherwise), with the token ids in
-  "logprob_token_ids" (same shape, TRL 1.16's rollout_func contract). `dppo_rollout_func` returns exactly that.
-  The transformers path above records the same cells when the trust region needs them.
+- a `rollout_func`: its "logprobs". For the Top-K regions they are per token the K+1 cells (docs/library.md, "Decisions
+  where the paper left room": µ's top-K sorted by µ, then the sampled token when it is not among them, NaN in that slot
+  otherwise), with the token ids in "logprob_token_ids" (same shape, TRL 1.16's rollout_func contract).
+  `dppo_rollout_func` returns exactly that. The transformers path above records the same cells when the trust region
+  needs them.
 
 µ's alignment is an invariant checked before the loss: one row per completion, one value (or one row of K+1 cells) per
 completion token, for the completion's own ids. Decoding that does not sample each token from the recorded µ (beam

@@ -18,7 +18,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from dppo.loss_spec import LossSpec, loss_spec
-from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params, needs_topk
+from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS, all_params, check_param, needs_topk
 
 __all__ = ["DPPOConfig", "LOSS_TYPE_AGGREGATION", "NOT_SAMPLED", "check_sampling", "check_server_logprobs"]
 
@@ -29,7 +29,8 @@ LOSS_TYPE_AGGREGATION = {
     "dr_grpo": "seq-mean-token-sum-norm",  # each sequence's sum / max_completion_length: the paper's (dppo's default)
 }
 """TRL `loss_type` -> dppo aggregation mode. The seq-mean modes leave sequences with no active token out of the
-count (spec §6), where TRL counts every row; the two differ only with `mask_truncated_completions`."""
+count (docs/library.md, "Decisions where the paper left room"), where TRL counts every row; the two differ only with
+`mask_truncated_completions`."""
 
 _DEFAULT = loss_spec()
 _REGION_FIELDS = tuple(name for name in all_params() if name not in ("eps_low", "eps_high"))
@@ -154,19 +155,22 @@ class _DPPOSettings(GRPOConfig):
 
     def spec(self) -> LossSpec:
         """The resolved `LossSpec` of DPPOTrainer's loss (`dppo.loss_spec.loss_spec`, as `dppo train` builds its own):
-        ratio-clip ε from `epsilon` / `epsilon_high`, the aggregation from `loss_type`. ValueError naming the field."""
+        ratio-clip ε from `epsilon` / `epsilon_high` where the trust region takes ε (GRPOConfig always sets
+        `epsilon`, so under another region they are only checked), the aggregation from `loss_type`. ValueError
+        naming the field."""
         given = {name: getattr(self, name) for name in _REGION_FIELDS}
-        given.update({eps: getattr(self, name) for eps, name in _EPS_FIELDS.items()})
+        takes = TRUST_REGIONS[self.trust_region].params if self.trust_region in TRUST_REGIONS else {}
         try:
+            for eps, name in _EPS_FIELDS.items():
+                if eps in takes:
+                    given[eps] = getattr(self, name)
+                elif getattr(self, name) is not None:
+                    check_param(eps, getattr(self, name))
             return loss_spec(trust_region=self.trust_region, anchor=self.anchor, is_cap=self.is_cap,
                              aggregation=self.aggregation, **given)
         except ValueError as exc:  # "eps_low: ..." -> "epsilon: ..."
             name, _, rest = str(exc).partition(":")
             raise ValueError(f"{_EPS_FIELDS.get(name, name)}:{rest}") from None
-
-    def region_settings(self) -> dict[str, Any]:
-        """The trust region's mask parameters, defaults filled in and checked (`spec().params`)."""
-        return dict(self.spec().params)
 
 
 def _region_field(name: str) -> tuple[str, Any, Any]:

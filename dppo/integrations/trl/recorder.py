@@ -1,7 +1,8 @@
-"""µ recording in TRL's transformers generation path: a logits processor placed last records log µ of every drawn
-token (the log-softmax of the final scores `generate` samples from: after temperature, top-k/top-p/min-p and the
-other processors) and µ's top-K; `_cells` lays them out as the K+1 cells of spec §2, and `TurnCells` keeps them per
-generated turn so that a multi-turn (tool-calling) completion gets its cells back token by token.
+"""µ recording in TRL's transformers generation path: a logits processor placed last records log µ of every drawn token
+(the log-softmax of the final scores `generate` samples from: after temperature, top-k/top-p/min-p and the other
+processors) and µ's top-K; `_cells` lays them out as the K+1 cells (docs/library.md, "Decisions where the paper left
+room"), and `TurnCells` keeps them per generated turn so that a multi-turn (tool-calling) completion gets its cells back
+token by token.
 
 One [B, V] score tensor is alive at a time (a reference, no copy), never all steps' scores.
 
@@ -105,8 +106,8 @@ def _recording_generation(model, generation_config, k: int):
 
 
 def _cells(tokens: Tensor, logp: Tensor, top_ids: Tensor, top_logp: Tensor) -> tuple[Tensor, Tensor]:
-    """The K+1 layout of spec §2 (`dppo.rollout.base.topk_cells`: µ's top-K, then the sampled token when not among
-    them) as TRL's rollout_func contract carries it: (ids, log-probs with NaN in an unused slot)."""
+    """The K+1 layout (`dppo.rollout.base.topk_cells`: µ's top-K, then the sampled token when not among them) as TRL's
+    rollout_func contract carries it: (ids, log-probs with NaN in an unused slot)."""
     ids, cells, valid = topk_cells(tokens, logp, top_ids, top_logp)
     return ids, torch.where(valid, cells, float("nan"))
 

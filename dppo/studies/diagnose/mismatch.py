@@ -1,4 +1,4 @@
-"""Training–inference mismatch report, binned by the rollout probability µ(a_t) (paper Fig. 2, spec §1, §9).
+"""Training–inference mismatch report, binned by the rollout probability µ(a_t) (paper Fig. 2 and §3; docs/cli.md).
 
 Given, for the same sampled tokens, the engine's log µ(a_t) and the trainer's recomputed log π(a_t) (same
 weights, different numerics: e.g. a bf16 engine and an fp32 trainer), `mismatch_report` shows why the ratio

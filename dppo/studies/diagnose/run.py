@@ -1,4 +1,4 @@
-"""`run_diagnose`: measure the training–inference mismatch of a model end to end (paper Fig. 2, spec §9).
+"""`run_diagnose`: measure the training–inference mismatch of a model end to end (paper Fig. 2; docs/cli.md).
 
 Samples responses to a task's prompts with an inference engine (e.g. vLLM in bf16), recomputes log π of the
 same tokens with the trainer's model in fp32 or under bf16/fp16 autocast (`dppo.train.scoring.score_responses`, µ's

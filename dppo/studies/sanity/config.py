@@ -131,7 +131,7 @@ class SanityConfig:
     env: Literal["none", "feedback"] = "none"
     """Multi-turn episodes: none (one response per prompt), or feedback (a wrong answer is told to try again, up to
     --max-turns turns, reward 0.5^attempt; the warm start learns the episode layout from the environment's
-    demonstrations, `dppo.studies.agent_sft`). Accuracy is then the share of episodes right at the first attempt."""
+    demonstrations, `dppo.train.sft`). Accuracy is then the share of episodes right at the first attempt."""
     max_turns: int = 3
     """--env feedback: turns per episode (each at most --max-new-tokens tokens)."""
     engine_dtype: Literal["bfloat16", "float32"] = "bfloat16"

@@ -33,7 +33,6 @@ import torch
 
 from dppo.envs import make_environment
 from dppo.runtime.models import char_tokenizer, save_model, tiny_random_model
-from dppo.studies.agent_sft import agent_sft
 from dppo.studies.sanity.config import TASK_DEFAULTS, SanityConfig, parse_args, task_options
 from dppo.studies.sanity.methods import method_loss, run_name
 from dppo.studies.sanity.noise import NoisyRolloutTrainer
@@ -44,6 +43,7 @@ from dppo.studies.sft import sft_warm_start
 from dppo.tasks import make_task
 from dppo.train.config import Config, replace
 from dppo.train.plot import read_metrics
+from dppo.train.sft import agent_sft
 from dppo.train.trainer import Trainer
 
 MICRO_BATCH_SIZE = 64
@@ -70,7 +70,7 @@ def warm_start(out_dir: str | Path, *, seed: int = 0, hidden: int = 128, layers:
     "reverse"; `options` replaces the task's options, default `task_options(task, digits=digits)`), saved to
     `out_dir/warm-<hash of the arguments, task and options included>/` and reused when that folder already holds a
     model. `sft_steps` / `batch_size` default to the task's `TASK_DEFAULTS`. With `env` (a `dppo.envs` name, e.g.
-    "feedback") the SFT is `dppo.studies.agent_sft` on that environment's demonstrations: the chat layout of its
+    "feedback") the SFT is `dppo.train.sft` on that environment's demonstrations: the chat layout of its
     episodes, as RL sees them."""
     options = _task_and_options(task, options, digits)
     defaults = TASK_DEFAULTS[task]

@@ -1,4 +1,4 @@
-"""Agent SFT (dppo.studies.agent_sft): its transcripts have the episode runner's layout, its loss is the token mean
+"""Agent SFT (dppo.train.sft): its transcripts have the episode runner's layout, its loss is the token mean
 over the assistant's tokens only, it learns the calculator's demonstrations, and `dppo sft` writes a model folder
 that loads by path."""
 
@@ -12,8 +12,8 @@ import torch
 from dppo.envs import make_environment
 from dppo.envs.tools import render_messages_with_tools, tool_schema
 from dppo.rollout.episodes import ChatDelta
-from dppo.studies.agent_sft import (agent_sft, build_transcript, build_transcripts, collate_transcripts, save_model,
-                                    transcript_loss)
+from dppo.train.sft import (agent_sft, build_transcript, build_transcripts, collate_transcripts, save_model,
+                            transcript_loss)
 
 ENVS = ("calculator", "python", "feedback")
 SMALL_SUMS = dict(size=24, eval_size=4, min_terms=2, max_terms=3, min_digits=1, max_digits=2)
