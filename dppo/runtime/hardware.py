@@ -99,9 +99,6 @@ def resolve_dtype(requested: str, device: torch.device, *, flags: frozenset[str]
 
 FP16_CPU_FLAGS = ("amx_fp16", "avx512_fp16")
 """/proc/cpuinfo flags that mean native fp16 matrix arithmetic on x86 (`fp16`/`asimdhp` on Arm)."""
-PRECISIONS = ("fp32", "bf16", "fp16")
-"""Training precisions: the dtype the trainer's forward/backward matmuls run in (master weights stay model.dtype)."""
-
 
 def resolve_precision(requested: str, device: torch.device, weights_dtype: str = "float32", *,
                       flags: frozenset[str] | None = None, cuda_bf16: bool | None = None) -> tuple[Choice, str | None]:

@@ -35,7 +35,6 @@ import concurrent.futures as cf
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
