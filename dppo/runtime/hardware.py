@@ -100,6 +100,7 @@ def resolve_dtype(requested: str, device: torch.device, *, flags: frozenset[str]
 FP16_CPU_FLAGS = ("amx_fp16", "avx512_fp16")
 """/proc/cpuinfo flags that mean native fp16 matrix arithmetic on x86 (`fp16`/`asimdhp` on Arm)."""
 
+
 def resolve_precision(requested: str, device: torch.device, weights_dtype: str = "float32", *,
                       flags: frozenset[str] | None = None, cuda_bf16: bool | None = None) -> tuple[Choice, str | None]:
     """The training precision for `requested` ("auto", "fp32", "bf16", "fp16") with the trainer on `device` and
