@@ -1,4 +1,4 @@
-"""The recording proxy and agents (`dppo.episodes.agent_loop`) against obviously-correct references: µ and µ's top-K recorded
+"""The recording proxy and agents (`dppo.episodes`) against obviously-correct references: µ and µ's top-K recorded
 through the proxy are a plain fp32 forward of the sampling weights; a multi-call episode's row decodes to exactly
 the chat template's transcript with only the sampled tokens trained; a call that does not extend a row (a template
 that strips earlier reasoning, an edited history) starts a new row; refused sampling parameters get the OpenAI

@@ -33,7 +33,8 @@ from functools import cached_property
 
 from dppo.envs.tools import parse_tool_calls, render_messages_with_tools, template_supports_tools
 
-SYNTHETIC = ({"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"})
+SYNTHETIC = ({"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+             {"role": "assistant", "content": "A"})
 """The fixed history environment messages are appended to (`ChatCodec.append`)."""
 
 

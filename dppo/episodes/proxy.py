@@ -246,7 +246,8 @@ class Proxy:
         if max_new < 1:
             ep.truncated += 1
             raise RequestError(f"this episode's row holds {len(row.tokens.ids) + len(extra)} response tokens, its "
-                               f"budget is {self.max_tokens} (env.max_tokens)", "messages", code="context_length_exceeded")
+                               f"budget is {self.max_tokens} (env.max_tokens)", "messages",
+                               code="context_length_exceeded")
         row.busy = True
         try:
             result = await self.batcher.submit(ep, row.tokens.context() + extra, max_new)

@@ -18,11 +18,11 @@ Implementations:
   is published (CPU copies wait in a queue), a deterministic stand-in for asynchronous staleness.
 - `dppo.rollout.async_source.AsyncSource`: rollout workers in other processes (or Ray actors) that sample ahead.
 
-**Episodes.** Every source runs the run's episodes (`episodes`, an `Episodes`: `dppo.episodes` builds them — a single
-answer, an environment's or an agent's multi-turn episodes — and this package only calls them) on the draw's examples: its collector
-runs where the engine is (in this process for sync and lagged, in the rollout workers for async: the picklable
-environment travels with each request), and `take` / `generate` score what comes back (`episodes.score`) in this
-process, so every rollout a source returns carries its reward and its episode record.
+**Episodes.** Every source runs the run's episodes (`episodes`, an `Episodes`: `dppo.episodes` builds them — single
+answers, an environment's or an agent's episodes — and this package only calls them) on the draw's examples: their
+collector runs where the engine is (in this process for sync and lagged, in the rollout workers for async: the
+picklable episodes travel with each request), and `take` / `generate` score what comes back (`episodes.score`) in
+this process, so every rollout a source returns carries its reward and its episode record.
 
 `draw(step) -> Draw` is the trainer's prompt draw (examples, sampling parameters, and the prompt sampler's
 position after it); `trained_position` is that position after the last batch `take` returned, which a
