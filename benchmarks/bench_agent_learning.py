@@ -1,5 +1,5 @@
 """The calculator task two ways, side by side from one warm start: dppo's `calculator` environment, and the same loop
-written as an OpenAI-client agent (`dppo.agents.examples.calculator:solve`) trained through the recording proxy.
+written as an OpenAI-client agent (`dppo.episodes.examples.calculator:solve`) trained through the recording proxy.
 
     1. `dppo sft --preset calculator --out DIR` (the environment's demonstrations; both runs start from it);
     2. `dppo train --preset calculator --model.name DIR` (the environment);

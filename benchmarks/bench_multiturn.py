@@ -1,4 +1,4 @@
-"""Multi-turn episodes: token in, token out (`EpisodeCollector`) vs a re-tokenising loop, and sync vs async sources.
+"""Multi-turn episodes: token in, token out (`EnvCollector`) vs a re-tokenising loop, and sync vs async sources.
 
     nice .venv/bin/python benchmarks/bench_multiturn.py            # tiny random model, 32 episodes, ~6 min
     nice .venv/bin/python benchmarks/bench_multiturn.py --turns 1,4 --episodes 8 --repeats 1   # ~1 min
@@ -14,13 +14,13 @@ model samples. Engine: the hf engine built from an `EngineSpec` (float32, `--thr
 collector then inserts the stop token and the template's boundary as environment tokens (mask 0), and the
 re-tokenising loop gets the same end-of-turn from the chat template. Both designs make one batched
 `engine.generate` call per turn over all active episodes, with the same sampling parameters and the same seed per
-turn (`dppo.rollout.episodes.turn_seed`, as the collector does), so two identical contexts sample identical tokens
+turn (`dppo.episodes.records.turn_seed`, as the collector does), so two identical contexts sample identical tokens
 with the hf engine. `--engine vllm` runs both designs on vLLM instead, whose prefix cache (on by default) reuses the
 KV of a prompt's longest cached prefix: token in, token out hands it exactly the ids it cached at the previous
 turn, while a re-tokenised prompt shares the cached prefix only up to the first turn whose ids drifted.
 
-(a) **token in, token out**: `EpisodeCollector(spec)(engine, examples, params)` as built (dppo.rollout.episodes):
-    each turn the engine gets the episode's ids so far; environment messages are tokenised alone (`ChatDelta`).
+(a) **token in, token out**: `EnvCollector(settings)(engine, examples, params)` as built (dppo.episodes.env_loop):
+    each turn the engine gets the episode's ids so far; environment messages are tokenised alone (`ChatCodec`).
 (b) **re-tokenising** (what verl / TRL "message mode" do), written below: every turn re-renders the whole
     transcript through `tokenizer.apply_chat_template(messages, add_generation_prompt=True)` and hands the engine
     the full re-tokenised prompt; each reply is decoded to text (special tokens dropped, as the collector does for
@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -123,7 +124,7 @@ def render(tokenizer, messages, *, generation_prompt: bool) -> list[int]:
 
 
 def run_token_in_token_out(collector, engine, examples, params) -> dict:
-    """(a): the EpisodeCollector as built."""
+    """(a): the EnvCollector as built."""
     timed = TimedEngine(engine)
     t0 = time.perf_counter()
     rollouts = collector(timed, examples, params)
@@ -152,9 +153,10 @@ def run_retokenising(spec, engine, examples, params, prefix_cache: bool = False)
 
 
 def _retokenising(spec, engine, examples, params) -> dict:
-    from dppo.rollout.episodes import turn_seed  # the collector's seed per turn: the same samples
+    from dppo.envs import make_environment
+    from dppo.episodes.records import turn_seed  # the collector's seed per turn: the same samples
 
-    tokenizer, factory = engine.tokenizer, spec.factory()
+    tokenizer, factory = engine.tokenizer, make_environment(spec.settings.name, **spec.settings.options_dict)
     timed = TimedEngine(engine)
     t0 = time.perf_counter()
     episodes = []
@@ -202,12 +204,10 @@ def _retokenising(spec, engine, examples, params) -> dict:
 
 
 def compare_designs(spec, engine, examples, params, repeats: int, retok_cache: bool = False) -> dict:
-    from dppo.rollout.episodes import EpisodeCollector
-
-    collector = EpisodeCollector(spec)
+    collector = spec.collector()
     run_a = lambda: run_token_in_token_out(collector, engine, examples, params)  # noqa: E731
     run_b = lambda: run_retokenising(spec, engine, examples, params, retok_cache)  # noqa: E731
-    a0, b0 = run_a(), run_b()  # warm-up (kernels, the collector's environment factory and ChatDelta)
+    a0, b0 = run_a(), run_b()  # warm-up (kernels, the collector's environment factory and ChatCodec)
     rounds = []
     for i in range(repeats):
         a, b = (run_a(), run_b()) if i % 2 == 0 else reversed((run_b(), run_a()))
@@ -307,8 +307,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the worker's too, in (c))")
     args = ap.parse_args()
     from dppo.rollout.base import SamplingParams
-    from dppo.rollout.episodes import EpisodeSpec
-    from dppo.train.config import EnvConfig
+    from dppo.episodes.settings import EnvSettings
     from dppo.rollout.settings import ENGINES
     from dppo.rollout.spec import EngineSpec, build_engine
     from dppo.runtime.hardware import cpu_name
@@ -336,8 +335,9 @@ def main() -> None:
     turns_list = [int(t) for t in args.turns.split(",")]
     results = []
     for turns in turns_list:
-        spec = EpisodeSpec(ENV_PATH, {"turns": turns, "chars": args.env_chars}, max_turns=turns, max_tokens=1 << 20,
-                           env_timeout_s=EnvConfig.timeout_s)
+        settings = EnvSettings(ENV_PATH, json.dumps({"turns": turns, "chars": args.env_chars}), max_turns=turns,
+                               max_tokens=1 << 20)
+        spec = settings.episodes(max_new_tokens=args.new, max_tokens=settings.max_tokens)
         t0 = time.perf_counter()
         row = {"turns": turns, **compare_designs(spec, engine, examples, params, args.repeats, args.retok_prefix_cache)}
         if not args.no_sources:

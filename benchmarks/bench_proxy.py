@@ -1,5 +1,5 @@
 """The recording proxy's overhead: the same multi-turn loop as a dppo `Environment` and as an OpenAI-client agent
-through the proxy (`dppo.agents`), same engine, same seeds, in one run.
+through the proxy (`dppo.episodes.agent_loop`), same engine, same seeds, in one run.
 
 The loop (`Loop` / `agent` below): `--turns` assistant turns, each reply but the last answered by a tool message.
 Both sides generate the same tokens (the proxy batches the agents' concurrent calls in the environment's order, so
@@ -63,13 +63,11 @@ def main() -> None:
 
     import torch
 
+    from dppo.episodes.settings import AgentSettings, EnvSettings
     from dppo.example import Example
     from dppo.rollout.base import SamplingParams
-    from dppo.rollout.episodes import EpisodeSpec
     from dppo.rollout.hf import HFEngine
     from dppo.runtime.models import char_tokenizer, load_model, load_tokenizer, tiny_random_model
-    from dppo.train.build import agent_spec
-    from dppo.train.config import AgentConfig
 
     torch.manual_seed(0)
     if args.model == "tiny":
@@ -85,8 +83,10 @@ def main() -> None:
                 for i in range(args.prompts)]
     params = SamplingParams(n=args.group, max_new_tokens=args.max_new_tokens, seed=7)
     budget = TURNS * (args.max_new_tokens + 32)
-    env = EpisodeSpec(f"{here}:Loop", {}, max_turns=TURNS, max_tokens=budget, env_timeout_s=60.0).collector()
-    proxy = agent_spec(AgentConfig(name=f"{here}:agent", max_calls=TURNS), max_tokens=budget).collector()
+    env = EnvSettings(f"{here}:Loop", max_turns=TURNS, max_tokens=budget, timeout_s=60.0).episodes(
+        max_new_tokens=args.max_new_tokens, max_tokens=budget).collector()
+    proxy = AgentSettings(name=f"{here}:agent", max_calls=TURNS).episodes(
+        max_new_tokens=args.max_new_tokens, max_tokens=budget).collector()
     times = {"environment": [], "agent": []}
     tokens = {}
     try:

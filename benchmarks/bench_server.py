@@ -82,9 +82,9 @@ def lora_sync(rank: int, dtype: str, syncs: int) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
+    from dppo.episodes.single import engine_prompts
     from dppo.rollout import SamplingParams, make_engine
     from dppo.rollout.settings import Adapter, VLLMServerSettings
-    from dppo.rollout.episodes import engine_prompts
     from dppo.runtime.models import load_model
     from dppo.train.config import ModelConfig
     from dppo.train.weights import engine_state

@@ -1,4 +1,4 @@
-"""The recording proxy and agents (`dppo.agents`) against obviously-correct references: µ and µ's top-K recorded
+"""The recording proxy and agents (`dppo.episodes`) against obviously-correct references: µ and µ's top-K recorded
 through the proxy are a plain fp32 forward of the sampling weights; a multi-call episode's row decodes to exactly
 the chat template's transcript with only the sampled tokens trained; a call that does not extend a row (a template
 that strips earlier reasoning, an edited history) starts a new row; refused sampling parameters get the OpenAI
@@ -18,16 +18,17 @@ import openai
 import pytest
 import torch
 
-from dppo.agents.chat import RequestError, check_request, reply_message
-from dppo.agents.proxy import Proxy
-from dppo.agents.runner import AgentSpec
+from dppo.episodes.agent_loop import AgentEpisodes
+from dppo.episodes.chat import reply_message
+from dppo.episodes.env_loop import EnvCollector
+from dppo.episodes.proxy import Proxy
+from dppo.episodes.proxy_requests import RequestError, check_request
+from dppo.episodes.results import episode_rewards, first_rows, row_episodes
+from dppo.episodes.settings import AgentSettings, EnvSettings
 from dppo.example import Example
 from dppo.rollout.base import SamplingParams
-from dppo.rollout.episodes import episode_rewards, first_rows, row_episodes
 from dppo.rollout.hf import HFEngine
 from dppo.train.batch import collate, minibatches
-from dppo.train.build import agent_spec
-from dppo.train.config import AgentConfig
 from dppo.train.scoring import score_responses_reference
 
 AGENTS = Path(__file__).parent / "data" / "agents.py"
@@ -50,13 +51,18 @@ BATCHES: list[list[int]] = []
 """The engine calls' sizes of each `collect` (its proxy's `batch_sizes`), newest last."""
 
 
-def spec(name: str, max_tokens: int = 128, **agent) -> AgentSpec:
+def settings(name: str, **agent) -> AgentSettings:
     """The agent `name` of tests/data/agents.py with the run config's defaults but `agent`'s."""
-    return agent_spec(AgentConfig(name=f"{AGENTS}:{name}", **agent), max_tokens=max_tokens)
+    return AgentSettings(name=f"{AGENTS}:{name}", **agent)
 
 
-def collect(name: str, engine, examples=EXAMPLES, p=None, **settings):
-    collector = spec(name, **settings).collector()
+def spec(name: str, max_tokens: int = 128, **agent) -> AgentEpisodes:
+    """The episodes of agent `name` (its rows' budget `max_tokens`)."""
+    return settings(name, **agent).episodes(max_new_tokens=8, max_tokens=max_tokens)
+
+
+def collect(name: str, engine, examples=EXAMPLES, p=None, **agent):
+    collector = spec(name, **agent).collector()
     try:
         return collector(engine, examples, p or params())
     finally:
@@ -115,12 +121,10 @@ def test_concurrent_agents_calls_are_batched_into_one_engine_call_per_round(mode
 def test_an_agent_makes_exactly_the_rows_of_the_same_loop_as_an_environment(model, tokenizer):
     """The Scripted environment's loop as an agent: same engine, same seed, so the same samples — and the proxy's
     rows are the environment's episodes token for token (ids, masks, turns, versions), µ and µ's top-K included."""
-    from dppo.rollout.episodes import EpisodeCollector, EpisodeSpec
-
-    spec = EpisodeSpec(f"{Path(__file__).parent / 'data' / 'scripted_env.py'}:Scripted", {"turns": 3}, max_turns=3,
-                       max_tokens=1000, env_timeout_s=30.0)
+    env = EnvSettings(f"{Path(__file__).parent / 'data' / 'scripted_env.py'}:Scripted", '{"turns": 3}', max_turns=3,
+                      max_tokens=1000)
     p = params(n=3)
-    envs = EpisodeCollector(spec)(HFEngine(model, tokenizer), EXAMPLES, p)
+    envs = EnvCollector(env)(HFEngine(model, tokenizer), EXAMPLES, p)
     agents = collect("scripted", HFEngine(model, tokenizer), p=p, max_tokens=1000)
     assert len(agents) == len(envs) == 6 and [r.row for r in agents] == [0] * 6
     assert sum(int((~r.loss_mask).sum()) for r in envs) > 20  # (tool answers and inserted stop tokens)
@@ -206,7 +210,7 @@ def test_completion_calls_with_token_ids_join_by_ids(model, tokenizer):
     ({"tool_choice": "required"}, "tool_choice"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"frobnicate": 1}, "frobnicate"), ({"max_tokens": 0}, "max_tokens")])
 def test_a_refused_sampling_parameter_gets_the_openai_error_shape(model, tokenizer, body, param):
-    proxy = Proxy(spec("two_calls").settings())
+    proxy = Proxy(settings("two_calls"), max_tokens=128)
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tokenizer), params())
@@ -227,7 +231,7 @@ def test_a_refused_sampling_parameter_gets_the_openai_error_shape(model, tokeniz
 
 
 def test_exposed_proxy_needs_the_runs_key_and_caps_request_size(model, tokenizer):
-    proxy = Proxy(spec("two_calls", host="0.0.0.0", max_request_bytes=2000).settings())
+    proxy = Proxy(settings("two_calls", host="0.0.0.0", max_request_bytes=2000), max_tokens=128)
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tokenizer), params())
@@ -355,6 +359,42 @@ def test_an_episodes_rows_share_its_advantage_in_the_trainer(tmp_path, region):
         assert batch.rollout_topk_valid[batch.loss_mask].any(-1).all()
 
 
+def test_an_agents_calls_past_env_max_turns_are_turn_units_of_their_own_in_the_loss(tmp_path, monkeypatch):
+    """Per-turn units (`loss.sequence_unit turn`, and GSPO per turn) number an agent's turns by call, up to
+    agent.max_calls: the loss's unit count comes from the episode kind (`max_turns`: the agent's calls), so no call
+    is merged into another's unit. (Before, the trainer passed env.max_turns, 4 by default: calls 5 and 6 were
+    clamped into call 4's unit.)"""
+    from conftest import smoke_config
+    from dppo.sequence_mask import unit_index
+    from dppo.train import trainer as trainer_module
+
+    seen = []
+    loss_inputs = trainer_module.loss_inputs
+
+    def recording(batch, micro, *args, **kwargs):
+        inputs = loss_inputs(batch, micro, *args, **kwargs)
+        seen.append((batch.loss_mask[micro], inputs))
+        return inputs
+
+    monkeypatch.setattr(trainer_module, "loss_inputs", recording)
+    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:six_calls", "max_calls": 8}, env={"max_tokens": 400},
+                       rollout={"engine": "hf", "max_new_tokens": 4}, train={"threads": 1, "steps": 1},
+                       loss={"sequence_mask": "max_divergence", "sequence_unit": "turn"})
+    assert cfg.env.max_turns == 4
+    with trainer_module.Trainer(cfg, tmp_path) as trainer:
+        metrics = trainer.step()
+    assert metrics["episode/turns_mean"] == 6.0 and metrics["episode/env_errors"] == 0
+    assert seen
+    calls = 0
+    for mask, inputs in seen:
+        units, _ = unit_index(mask, inputs.turn_index, inputs.n_turns)
+        for b in range(mask.shape[0]):
+            turns, row_units = inputs.turn_index[b][mask[b]].tolist(), units[b][mask[b]].tolist()
+            assert len(set(turns)) == len(set(row_units)) == len(set(zip(turns, row_units)))  # one unit per call
+            calls = max(calls, len(set(turns)))
+    assert calls == 6 and all(inputs.n_turns == 8 for _, inputs in seen)  # agent.max_calls
+
+
 def test_bad_agent_settings_fail_before_any_model_loads(tmp_path, monkeypatch):
     from conftest import smoke_config
     from dppo.train import trainer as trainer_module
@@ -399,7 +439,7 @@ def test_messages_the_chat_template_cannot_render_are_refused_not_a_server_error
     tok.chat_template = ("{%- for m in messages -%}{%- if m.role == 'tool' -%}{{ raise_exception('no tool role') }}"
                          "{%- endif -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endfor -%}"
                          "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}")
-    proxy = Proxy(spec("two_calls").settings())
+    proxy = Proxy(settings("two_calls"), max_tokens=128)
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tok), params())

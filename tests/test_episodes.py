@@ -1,8 +1,8 @@
-"""Multi-turn episodes (`dppo.rollout.episodes`) against obviously-correct references: the ids are the chat template's
+"""Multi-turn episodes (`dppo.episodes.env_loop`) against obviously-correct references: the ids are the chat template's
 transcript, µ (and µ's top-K) on every generated token is the sampling distribution of the weights that sampled it,
 the trainer's π equals a plain forward over the whole sequence, environment tokens get exactly zero gradient and
 count in no denominator; the environment's failures are contained; every sampling mode runs the same episodes; a single
-answer is a one-turn episode (`SingleTurnEnv`: one engine call and one reward call per batch).
+answer is a one-turn episode (`SingleAnswer`: one engine call and one reward call per batch).
 
 The test environments live in tests/data/scripted_env.py and are loaded by file path, as a user's are.
 """
@@ -19,15 +19,17 @@ import pytest
 import torch
 
 from dppo.envs import ENVIRONMENTS, make_environment
+from dppo.episodes.chat import ChatCodec
+from dppo.episodes.env_loop import EnvCollector
+from dppo.episodes.results import episode_rewards
+from dppo.episodes.settings import EnvSettings
+from dppo.episodes.single import SingleAnswer, engine_prompts
 from dppo.example import Example
 from dppo.losses import LOSSES, loss_spec
 from dppo.rollout.base import SamplingParams
 from dppo.rewards.runner import NonFiniteRewardError, RewardRunner
-from dppo.rollout.episodes import (ChatDelta, EpisodeCollector, EpisodeSpec, SingleTurnEnv, engine_prompts,
-                                   episode_rewards)
 from dppo.rollout.hf import HFEngine
 from dppo.train.batch import collate
-from dppo.train.config import EnvConfig
 from dppo.train.scoring import score_responses, score_responses_reference
 
 ENVS = Path(__file__).parent / "data" / "scripted_env.py"
@@ -35,8 +37,7 @@ SCRIPTED = f"{ENVS}:Scripted"
 EXAMPLES = [Example(prompt=({"role": "user", "content": "2+3?"},), answer="5"),
             Example(prompt=({"role": "system", "content": "Be brief."}, {"role": "user", "content": "17*3?"}), answer="51")]
 K = 4
-TIMEOUT_S = EnvConfig.timeout_s  # (the limits' defaults live in the run config)
-THREE_TURNS = EpisodeSpec(SCRIPTED, {"turns": 3}, max_turns=3, max_tokens=200, env_timeout_s=TIMEOUT_S)
+THREE_TURNS = EnvSettings(SCRIPTED, '{"turns": 3}', max_turns=3, max_tokens=200)
 
 
 def params(**kw) -> SamplingParams:
@@ -52,7 +53,7 @@ def model(tiny_model, with_logit_bias):
 
 def _episodes(model, tokenizer):
     engine = HFEngine(model, tokenizer)
-    return EpisodeCollector(THREE_TURNS)(engine, EXAMPLES, params())
+    return EnvCollector(THREE_TURNS)(engine, EXAMPLES, params())
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,7 @@ def plain(tiny_model, tokenizer):
 
 
 def test_ids_are_the_chat_templates_transcript_and_only_sampled_tokens_are_trained(episodes, tokenizer):
-    delta = ChatDelta(tokenizer)
-    assert tokenizer.decode(delta.boundary) == "\n"
+    assert tokenizer.decode(ChatCodec(tokenizer).boundary) == "\n"
     assert len(episodes) == 4 and [r.prompt_index for r in episodes] == [0, 0, 1, 1]
     cut = 0
     for r in episodes:
@@ -96,7 +96,7 @@ def test_ids_are_the_chat_templates_transcript_and_only_sampled_tokens_are_train
 
 def test_a_turn_ended_by_another_stop_token_still_gets_the_templates_end_of_turn(model, tokenizer):
     stops = tuple(tokenizer.convert_tokens_to_ids(list("0123456789aeiou")))
-    rollouts = EpisodeCollector(THREE_TURNS)(
+    rollouts = EnvCollector(THREE_TURNS)(
         HFEngine(model, tokenizer), EXAMPLES, params(stop_token_ids=(1,) + stops, max_new_tokens=12))
     other = 0
     for r in rollouts:
@@ -155,7 +155,7 @@ def test_vllm_records_mu_on_generated_tokens_from_token_ids(tmp_path, tokenizer,
     model = make_tiny_model(seed=0, num_heads=2, num_kv_heads=1)  # (vLLM's CPU attention: head size >= 32)
     path = save_model(model, tokenizer, tmp_path / "m")
     with VLLMEngine(path, tokenizer, seed=0, max_logprobs=20, kv_cache_gb=0.25) as engine:
-        rollouts = EpisodeCollector(THREE_TURNS)(
+        rollouts = EnvCollector(THREE_TURNS)(
             engine, EXAMPLES[:1], params())
     batch = collate(rollouts, pad_id=0)
     ref = score_responses_reference(model, batch.prompt_ids, batch.response_ids, batch.response_mask,
@@ -182,7 +182,7 @@ class _CountingRunner(RewardRunner):
 
 
 def test_a_single_answer_is_a_one_turn_episode_one_engine_call_and_one_reward_call(model, tokenizer):
-    """SingleTurnEnv samples the whole batch in ONE `generate` (params.n per prompt, the engine's own prompts:
+    """SingleAnswer samples the whole batch in ONE `generate` (params.n per prompt, the engine's own prompts:
     chat messages as they are, raw text as ids) and scores it in ONE reward-runner call; each rollout's record holds
     its decoded answer and its reward's failure or timeout."""
     examples = [*EXAMPLES, Example(prompt="raw 1+1=", answer="hang")]
@@ -197,7 +197,7 @@ def test_a_single_answer_is_a_one_turn_episode_one_engine_call_and_one_reward_ca
     engine = HFEngine(model, tokenizer)
     calls, generate = [], engine.generate
     engine.generate = lambda prompts, p: calls.append((prompts, p)) or generate(prompts, p)
-    env = SingleTurnEnv(6, reward=_CountingRunner(reward, isolation="thread", timeout_s=0.5))
+    env = SingleAnswer(6, reward=_CountingRunner(reward, isolation="thread", timeout_s=0.5))
     rollouts = env.collector()(engine, examples, params())
     assert env.max_turns == 1 and env.max_tokens == 6
     assert calls == [(engine_prompts(examples, tokenizer), params())]
@@ -221,9 +221,9 @@ def test_a_single_answer_is_a_one_turn_episode_one_engine_call_and_one_reward_ca
 
 
 def test_a_single_turn_env_travels_without_its_reward_and_a_nan_reward_is_refused(model, tokenizer):
-    env = SingleTurnEnv(4, reward=RewardRunner(lambda c, e: float("nan"), isolation="none"))
+    env = SingleAnswer(4, reward=RewardRunner(lambda c, e: float("nan"), isolation="none"))
     copy = pickle.loads(pickle.dumps(env))
-    assert copy.reward is None and copy.max_tokens == 4 and repr(copy) == repr(env) == "SingleTurnEnv(max_tokens=4)"
+    assert copy.reward is None and copy.max_tokens == 4 and repr(copy) == repr(env) == "SingleAnswer(max_tokens=4)"
     rollouts = copy.collector()(HFEngine(model, tokenizer), EXAMPLES[:1], params(n=1))
     with pytest.raises(RuntimeError, match="no reward runner"):
         copy.score(EXAMPLES[:1], rollouts)
@@ -236,9 +236,9 @@ def test_a_single_turn_env_travels_without_its_reward_and_a_nan_reward_is_refuse
 # --- budgets and failures --------------------------------------------------------------------------------------
 
 
-def _run(model, tokenizer, env: str, **spec):
-    spec.setdefault("env_timeout_s", TIMEOUT_S)
-    return EpisodeCollector(EpisodeSpec(env, **spec))(HFEngine(model, tokenizer), EXAMPLES[:1], params(n=1))
+def _run(model, tokenizer, env: str, options: dict | None = None, **limits):
+    settings = EnvSettings(env, json.dumps(options or {}), **limits)
+    return EnvCollector(settings)(HFEngine(model, tokenizer), EXAMPLES[:1], params(n=1))
 
 
 def test_an_episode_over_its_budgets_is_truncated_not_an_error(model, tokenizer):
@@ -256,7 +256,7 @@ def test_an_episode_over_its_budgets_is_truncated_not_an_error(model, tokenizer)
 ])
 def test_an_environment_that_raises_hangs_or_returns_garbage_is_contained_and_named(model, tokenizer, env, counter,
                                                                                       message):
-    r = _run(model, tokenizer, f"{ENVS}:{env}", max_turns=3, max_tokens=100, env_timeout_s=0.5)[0]
+    r = _run(model, tokenizer, f"{ENVS}:{env}", max_turns=3, max_tokens=100, timeout_s=0.5)[0]
     assert getattr(r.episode, counter) == 1.0 and r.episode.turns == 1 and r.reward == 0.0
     assert message in r.episode.error and f"{ENVS}:{env}" in r.episode.error
 
@@ -447,8 +447,8 @@ def test_the_hf_engines_prefix_cache_prefills_only_new_tokens_and_changes_nothin
             return forward(*a, input_ids=input_ids, **k)
 
         monkeypatch.setattr(engine.model, "forward", counting)
-        spec = EpisodeSpec(SCRIPTED, {"turns": 4}, max_turns=4, max_tokens=300, env_timeout_s=TIMEOUT_S)
-        runs[mode] = EpisodeCollector(spec)(engine, EXAMPLES, params(max_new_tokens=8))
+        settings = EnvSettings(SCRIPTED, '{"turns": 4}', max_turns=4, max_tokens=300)
+        runs[mode] = EnvCollector(settings)(engine, EXAMPLES, params(max_new_tokens=8))
         assert engine._prefix is None  # off again after the episodes
     for a, b in zip(runs["on"], runs["off"]):
         assert torch.equal(a.response_ids, b.response_ids)
@@ -495,7 +495,7 @@ def test_success_is_the_environments_verdict_else_reward_1_in_training_and_evalu
     import json as _json
 
     from conftest import smoke_config
-    from dppo.rollout.episodes import episode_success
+    from dppo.episodes.results import episode_success
     from dppo.train.trainer import Trainer
 
     options = _json.dumps({"reward": reward, "success": verdict})

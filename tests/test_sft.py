@@ -11,7 +11,7 @@ import torch
 
 from dppo.envs import make_environment
 from dppo.envs.tools import render_messages_with_tools, tool_schema
-from dppo.rollout.episodes import ChatDelta
+from dppo.episodes.chat import ChatCodec
 from dppo.train.sft import (agent_sft, build_transcript, build_transcripts, collate_transcripts, save_model,
                             transcript_loss)
 
@@ -30,14 +30,14 @@ def _expected_text(tok, env, example) -> str:
     """What the chat template renders for the whole demonstration episode (tools in the system prompt)."""
     first = env.reset(example)
     schemas = [tool_schema(fn) for fn in env.tools]
-    messages = first if ChatDelta(tok).tools_in_template else render_messages_with_tools(tok, first, schemas)
+    messages = first if ChatCodec(tok).tools_in_template else render_messages_with_tools(tok, first, schemas)
     return tok.apply_chat_template(list(messages) + list(env.demonstration(example)), tokenize=False,
-                                   tools=schemas if ChatDelta(tok).tools_in_template and schemas else None)
+                                   tools=schemas if ChatCodec(tok).tools_in_template and schemas else None)
 
 
 def _check_layout(tok, name, examples):
     factory = make_environment(name)
-    delta = ChatDelta(tok)
+    delta = ChatCodec(tok)
     boundary = tok.decode(delta.boundary)
     for ex in examples[:4]:
         env = factory()
@@ -58,7 +58,7 @@ def _check_layout(tok, name, examples):
         assistant = [m["content"] for m in demo if m["role"] == "assistant"]
         assert [tok.decode(r[:-1]) for r in turns] == assistant
         assert all(r[-1] == tok.eos_token_id for r in turns)
-        assert len(t.loss_mask) == len(t.response_ids) and len(t.prompt_ids) == len(delta.prompt(env.reset(ex), [tool_schema(f) for f in env.tools]))
+        assert len(t.loss_mask) == len(t.response_ids) and len(t.prompt_ids) == len(delta.render(env.reset(ex), [tool_schema(f) for f in env.tools]))
 
 
 @pytest.mark.parametrize("name", ENVS)
@@ -72,14 +72,16 @@ def test_layout_matches_the_chat_template_smollm2(smollm2_tokenizer, examples, n
 
 
 def test_environment_tokens_are_the_episode_runners(tokenizer, examples):
-    """The tool answer is laid out as the runner appends it: boundary + ChatDelta.suffix(tool messages), mask 0."""
+    """The tool answer is laid out as the runner appends it: `ChatCodec.append(tool messages)` (the boundary, then
+    the messages), mask 0."""
     env = make_environment("calculator")()
     ex = examples[0]
     t = build_transcript(tokenizer, env, ex)
     demo = env.demonstration(ex)
-    delta = ChatDelta(tokenizer)
+    delta = ChatCodec(tokenizer)
     first = tokenizer.encode(demo[0]["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
-    env_ids = delta.boundary + delta.suffix([demo[1]])
+    env_ids = delta.append([demo[1]])
+    assert env_ids[:len(delta.boundary)] == delta.boundary
     assert t.response_ids[: len(first) + len(env_ids)] == first + env_ids
     assert t.loss_mask[: len(first) + len(env_ids)] == [True] * len(first) + [False] * len(env_ids)
 

@@ -8,7 +8,7 @@ An episode starts from a task example:
 
 `step.messages` (tool answers, or a user's feedback) are appended to the transcript after the assistant's reply;
 `step.reward` is this turn's reward (an episode's reward is the sum over its turns); `done` ends the episode.
-The episode runner (`dppo.rollout.episodes`) owns the token ids: an environment sees and returns text messages
+The episode runner (`dppo.episodes.env_loop`) owns the token ids: an environment sees and returns text messages
 only, never token ids, so it cannot change the tokens the policy sampled.
 
 `ToolEnv` is the base of tool-using environments: a reply holding Hermes tool calls

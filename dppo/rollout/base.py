@@ -21,7 +21,7 @@ FinishReason = Literal["eos", "length", "stop"]
 EnginePrompt = Sequence[int] | Sequence[dict]
 """What an engine samples from: token ids (used as they are) or chat messages ([{"role": ..., "content": ...}, ...],
 rendered by the engine's chat template with the generation prompt). A task's `dppo.example.Prompt` (text or
-messages) becomes one through `dppo.rollout.episodes.engine_prompts`."""
+messages) becomes one through `dppo.episodes.single.engine_prompts`."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ class Episode:
     """What a rollout's episode recorded besides its tokens: its counters, its transcript, its contained error.
 
     Every rollout the sources return is an episode: a single answer is a one-turn episode
-    (`dppo.rollout.episodes.SingleTurnEnv`), whose counters stay 0 except `env_errors` / `env_timeouts` (its
-    reward raised or timed out); a multi-turn episode (`EpisodeSpec`) fills all of them."""
+    (`dppo.episodes.single`), whose counters stay 0 except `env_errors` / `env_timeouts` (its reward raised or
+    timed out); a multi-turn episode (`dppo.episodes.env_loop`, `dppo.episodes.agent_loop`) fills them."""
 
     completion: str = ""
     """The text the samples file shows: the decoded response (single-turn), or the whole transcript with the
@@ -97,10 +97,10 @@ class Episode:
     env_tokens: float = 0.0
     """Response tokens the environment wrote (loss mask 0)."""
     refused_calls: float = 0.0
-    """Calls of an agent's episode that the proxy refused (`dppo.agents`)."""
+    """Calls of an agent's episode that the proxy refused (`dppo.episodes.proxy`)."""
     success: float = math.nan
     """1.0 / 0.0 when the environment said whether the episode succeeded (`EnvStep.info["success"]`, the last
-    value given), else NaN: then the reward decides (`dppo.rollout.episodes.episode_success`: reward >= 1)."""
+    value given), else NaN: then the reward decides (`dppo.episodes.results.episode_success`: reward >= 1)."""
 
 
 @dataclass
@@ -140,8 +140,8 @@ class Rollout:
     """The episode's record (its counters, transcript and contained error)."""
     row: int = 0
     """The row's place in its episode: 0 for the first (or only) row, which carries the episode's record. An agent's
-    episode through the proxy (`dppo.agents`) may be several rows (a call that does not extend an earlier row starts
-    one); its rows follow each other and share its reward and advantage."""
+    episode through the proxy (`dppo.episodes.agent_rows`) may be several rows (a call that does not extend an earlier
+    row starts one); its rows follow each other and share its reward and advantage."""
 
 
 def topk_cells(tokens: Tensor, logp: Tensor, top_ids: Tensor, top_logp: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -18,11 +18,11 @@ Implementations:
   is published (CPU copies wait in a queue), a deterministic stand-in for asynchronous staleness.
 - `dppo.rollout.async_source.AsyncSource`: rollout workers in other processes (or Ray actors) that sample ahead.
 
-**Episodes.** Every source runs the run's environment (`episodes`, a `dppo.rollout.episodes.Episodes`: a
-`SingleTurnEnv` for single answers, an `EpisodeSpec` for multi-turn episodes) on the draw's examples: its collector
-runs where the engine is (in this process for sync and lagged, in the rollout workers for async: the picklable
-environment travels with each request), and `take` / `generate` score what comes back (`episodes.score`) in this
-process, so every rollout a source returns carries its reward and its episode record.
+**Episodes.** Every source runs the run's episodes (`episodes`, an `Episodes`: `dppo.episodes` builds them — single
+answers, an environment's or an agent's episodes — and this package only calls them) on the draw's examples: their
+collector runs where the engine is (in this process for sync and lagged, in the rollout workers for async: the
+picklable episodes travel with each request), and `take` / `generate` score what comes back (`episodes.score`) in
+this process, so every rollout a source returns carries its reward and its episode record.
 
 `draw(step) -> Draw` is the trainer's prompt draw (examples, sampling parameters, and the prompt sampler's
 position after it); `trained_position` is that position after the last batch `take` returned, which a
@@ -33,12 +33,38 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from torch import Tensor
 
 from dppo.rollout.base import Rollout, SamplingParams
-from dppo.rollout.episodes import Episodes
+
+
+class Episodes(Protocol):
+    """The run's episodes as the sources see them (picklable: rollout workers receive them; `dppo.episodes` makes
+    them, one kind per run)."""
+
+    max_turns: int
+    """Turns per episode (1 for a single answer; an agent's calls): the bound of the per-turn units and metrics."""
+    max_tokens: int
+    """Response tokens of a row (the longest response the trainer sees)."""
+
+    def collector(self) -> Callable[[Any, Sequence, SamplingParams], list[Rollout]]:
+        """`collect(engine, examples, params)`: params.n episodes per example, prompt-major."""
+        ...
+
+    def score(self, examples: Sequence, rollouts: list[Rollout]) -> None:
+        """Set every rollout's reward (and its record's reward failures) in the trainer's process."""
+        ...
+
+    def check(self, example) -> str | None:
+        """Before any model loads: the episodes can run `example` (TypeError / ValueError / KeyError otherwise);
+        returns their start-up line (e.g. the python tool's sandbox layer), if they have one."""
+        ...
+
+    def metrics(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
+        """The step's episode metrics ({} for single answers)."""
+        ...
 
 
 @dataclass

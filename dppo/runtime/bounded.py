@@ -6,7 +6,7 @@
 
 The one implementation behind every call that must not hang or crash the trainer: a reward with isolation
 "thread" (`dppo.rewards.threads`), a tool call (`dppo.envs.tools.call_tool`), an environment's reset and step
-(`dppo.rollout.episodes`). A call's clock starts when it is handed to its thread; a call past `timeout_s` is
+(`dppo.episodes.env_loop`). A call's clock starts when it is handed to its thread; a call past `timeout_s` is
 abandoned (Python cannot stop a thread: it keeps running in the background, its result dropped) and its slot goes to
 the next call, so the batch returns on time. An exception (any `BaseException`) is caught and returned, never raised.
 

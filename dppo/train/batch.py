@@ -13,7 +13,7 @@ K+1 = µ's top-K plus the sampled token's slot):
 - `extras["token_version"]` [B, T] int64: the weights of each token, where the engine records it
 - `extras["turn_index"]` [B, T] int64: the assistant turn of each token (episodes only; -1 at padding)
 - `extras["episode"]` [B] int64: each row's episode (= the row, but for an agent's multi-row episodes,
-  `dppo.rollout.episodes.row_episodes`); rewards and advantages come per episode and are read through it
+  `dppo.episodes.results.row_episodes`); rewards and advantages come per episode and are read through it
 - `topk_ids`, `topk_logp`, `topk_valid` [B, T, K+1]: µ's top-K cells (None without top-K capture)
 """
 
@@ -25,9 +25,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from dppo.episodes.results import row_episodes
 from dppo.losses import TokenInputs
 from dppo.rollout.base import Rollout
-from dppo.rollout.episodes import row_episodes
 
 
 @dataclass

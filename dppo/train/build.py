@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dppo.agents.runner import AgentSpec
+from dppo.episodes.settings import EPISODE_KINDS
 from dppo.rewards import RewardRunner
 from dppo.rollout.async_source import AsyncSource
-from dppo.rollout.episodes import EpisodeSpec, SingleTurnEnv
 from dppo.rollout.remote import start_pool
 from dppo.rollout.source import EngineSource
 from dppo.rollout.settings import ENGINES, Adapter
@@ -29,7 +28,7 @@ from dppo.rollout.spec import EngineSpec, build_engine
 from dppo.runtime import models
 from dppo.runtime.models import ModelSpec
 from dppo.tasks import TASKS, make_task
-from dppo.train.config import AgentConfig, Config, ConfigError
+from dppo.train.config import Config, ConfigError
 from dppo.train.distributed import decoder_layers
 from dppo.train.resolve import resolve_device, resolve_rollout
 from dppo.train.scoring import ScoringModule, packed_layout_supported
@@ -196,27 +195,23 @@ def build_source(cfg: Config, episodes, *, draw, weights: dict[str, torch.Tensor
                        episodes=episodes)
 
 
+def episode_kind(cfg: Config) -> str:
+    """The run's episode kind (a key of `dppo.episodes.settings.EPISODE_KINDS`): an agent when `agent.name` is set,
+    an environment's episodes when `env.name` is, else a single answer per prompt."""
+    return "agent" if cfg.agent.name else "env" if cfg.env.name else "single"
+
+
 def build_episodes(cfg: Config, task=None):
-    """The run's environment (`dppo.rollout.episodes.Episodes`): with `env.name` '' a single answer per prompt as a
-    one-turn episode scored by `task`'s reward (`SingleTurnEnv`; task None: one that only collects), else the
-    multi-turn episodes of that environment (`EpisodeSpec`, with the `env.*` limits)."""
-    e, a = cfg.env, cfg.agent
-    if a.name:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("agent.name: agents under torchrun are not supported (their episodes' rows differ in "
-                             "number between ranks); run one process, with async rollout workers if needed")
-        return agent_spec(a, max_tokens=e.max_tokens)
-    if not e.name:
-        reward = None if task is None else build_reward_runner(cfg, task)
-        return SingleTurnEnv(cfg.rollout.max_new_tokens, reward=reward)
-    return EpisodeSpec(e.name, e.options_dict, max_turns=e.max_turns, max_tokens=e.max_tokens, env_timeout_s=e.timeout_s)
-
-
-def agent_spec(a: AgentConfig, *, max_tokens: int) -> AgentSpec:
-    """The run's agent episodes from its `agent` section (`max_tokens`: a row's response tokens, env.max_tokens)."""
-    return AgentSpec(a.name, max_calls=a.max_calls, max_tokens=max_tokens, timeout_s=a.timeout_s,
-                     concurrency=a.concurrency, host=a.host, port=a.port, max_request_bytes=a.max_request_bytes,
-                     max_concurrent_requests=a.max_concurrent_requests)
+    """The run's episodes (`dppo.rollout.source.Episodes`) of its kind (`episode_kind`): the kind's settings (the
+    config section of its name; the single answer has none) with the run-time values every kind is given — the
+    longest answer (rollout.max_new_tokens), a row's response tokens (env.max_tokens) and, for a kind scored by
+    the task, `task`'s reward runner (task None: episodes that only collect)."""
+    kind = episode_kind(cfg)
+    settings = getattr(cfg, kind, None) or EPISODE_KINDS[kind]()
+    if settings.torchrun_refusal and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(settings.torchrun_refusal)
+    reward = build_reward_runner(cfg, task) if task is not None and settings.scored_by_task else None
+    return settings.episodes(max_new_tokens=cfg.rollout.max_new_tokens, max_tokens=cfg.env.max_tokens, reward=reward)
 
 
 def check_environment(cfg: Config, examples) -> str | None:
@@ -226,6 +221,5 @@ def check_environment(cfg: Config, examples) -> str | None:
     try:
         return build_episodes(cfg).check(examples[0])
     except (TypeError, ValueError, KeyError) as err:
-        if cfg.agent.name:
-            raise ValueError(str(err) if str(err).startswith("agent.name") else f"agent.name: {err}") from err
-        raise ValueError(f"env.name: {err}") from err
+        field = f"{episode_kind(cfg)}.name"
+        raise ValueError(str(err) if str(err).startswith(field) else f"{field}: {err}") from err

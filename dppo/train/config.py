@@ -21,6 +21,7 @@ import yaml
 
 from dppo._checks import ConfigError
 from dppo.advantages import ADVANTAGES
+from dppo.episodes.settings import AgentSettings, EnvSettings
 from dppo.loss_spec import LossSpec, loss_spec
 from dppo.rollout.settings import ENGINES, EngineSettings
 from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk
@@ -255,75 +256,6 @@ class TaskConfig:
     @property
     def options_dict(self) -> dict[str, Any]:
         return json.loads(self.options)
-
-
-@dataclass(frozen=True)
-class EnvConfig:
-    """Multi-turn episodes (docs/agents.md): an environment answers each assistant turn; '' = single-turn responses
-    (each a one-turn episode scored by the task's reward). The episode limits' defaults live here only, checked here
-    once (`dppo.rollout.episodes.EpisodeSpec` takes them explicitly)."""
-
-    name: str = ""
-    """An environment (calculator, python, feedback) or `module:Class` / `path/to/file.py:Class`; '' = off."""
-    options: str = "{}"
-    """JSON object of the environment's options, e.g. '{"max_tool_chars": 500}'."""
-    max_turns: int = 4
-    """Assistant turns per episode (each turn's length is capped by rollout.max_new_tokens)."""
-    max_tokens: int = 256
-    """Response tokens of a whole episode, generated and environment tokens together; past it: truncated."""
-    timeout_s: float = 30.0
-    """Longest an environment's reset or step may take; past a step's, the episode ends and is counted as an env
-    timeout."""
-
-    def __post_init__(self) -> None:
-        _json_object("env.options", self.options)
-        if self.max_turns < 1:
-            _fail("env.max_turns", f"expected >= 1, got {self.max_turns}")
-        if self.max_tokens < 1:
-            _fail("env.max_tokens", f"expected >= 1, got {self.max_tokens}")
-        _positive("env", timeout_s=self.timeout_s)
-
-    @property
-    def options_dict(self) -> dict[str, Any]:
-        return json.loads(self.options)
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    """An agent written against an OpenAI client, trained through dppo's recording proxy (docs/agents.md, "Bring
-    your own agent"): `agent(client, example) -> reward`; each call's tokens, µ and µ's top-K are recorded and joined
-    into rows (a row's response tokens are capped by env.max_tokens, each call by rollout.max_new_tokens)."""
-
-    name: str = ""
-    """The agent function, `module:function` or `path/to/file.py:function` (sync: gets an openai.OpenAI; async:
-    an openai.AsyncOpenAI); '' = off."""
-    max_calls: int = 16
-    """Calls per episode; past it a call is refused (the agent sees an OpenAI error)."""
-    timeout_s: float = 120.0
-    """Longest an episode may run (its agent, all its calls); past it the episode ends with reward 0, counted."""
-    concurrency: int = 0
-    """Episodes running at once (0 = all of the step's prompts_per_step x group_size)."""
-    host: str = "127.0.0.1"
-    """Where the proxy listens. Anything but a loopback address exposes it: then every request needs the run's
-    key (`Authorization: Bearer`, passed as the client's api_key)."""
-    port: int = 0
-    """The proxy's port (0 = a free one)."""
-    max_request_bytes: int = 1 << 20
-    """Largest request body the proxy reads (413 past it)."""
-    max_concurrent_requests: int = 256
-    """Requests in flight at once (429 past it)."""
-
-    def __post_init__(self) -> None:
-        if self.max_calls < 1:
-            _fail("agent.max_calls", f"expected >= 1, got {self.max_calls}")
-        if self.concurrency < 0:
-            _fail("agent.concurrency", f"expected >= 0, got {self.concurrency}")
-        if not 0 <= self.port <= 65535:
-            _fail("agent.port", f"expected 0..65535, got {self.port}")
-        _positive("agent", timeout_s=self.timeout_s, max_request_bytes=self.max_request_bytes,
-                  max_concurrent_requests=self.max_concurrent_requests)
-        if self.name and ":" not in self.name:
-            _fail("agent.name", f"expected 'module:function' or 'path/to/file.py:function', got {self.name!r}")
 
 
 @dataclass(frozen=True)
@@ -562,8 +494,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
+    env: EnvSettings = field(default_factory=EnvSettings)
+    agent: AgentSettings = field(default_factory=AgentSettings)
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -648,7 +580,7 @@ class Config:
 
 
 _SECTIONS = {
-    "model": ModelConfig, "rollout": RolloutConfig, "task": TaskConfig, "env": EnvConfig, "agent": AgentConfig,
+    "model": ModelConfig, "rollout": RolloutConfig, "task": TaskConfig, "env": EnvSettings, "agent": AgentSettings,
     "loss": LossConfig,
     "advantage": AdvantageConfig, "optim": OptimConfig, "train": TrainConfig, "log": LogConfig,
 }

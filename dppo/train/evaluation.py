@@ -11,10 +11,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dppo.episodes.results import episode_rewards, episode_success, first_rows
+from dppo.episodes.single import engine_prompts  # (re-exported for the studies)
 from dppo.metrics import maj_at_k, pass_at_k, pass_at_k_values
 from dppo.rewards.votes import VoteRule, episode_text, vote_rule
 from dppo.rollout.base import SamplingParams
-from dppo.rollout.episodes import engine_prompts, episode_rewards, episode_success, first_rows  # (engine_prompts: re-exported for the studies)
 from dppo.rollout.source import EngineSource
 from dppo.rollout.spec import build_engine as engine_from_spec
 from dppo.train.batch import collate

@@ -86,10 +86,10 @@ def python_tool() -> Config:
 
 def calculator_agent() -> Config:
     """The calculator preset with the environment written as an OpenAI-client agent
-    (`dppo.agents.examples.calculator:solve`: the same prompt, tool schema and scoring), trained through the
+    (`dppo.episodes.examples.calculator:solve`: the same prompt, tool schema and scoring), trained through the
     recording proxy; the same warm start serves it (`dppo sft --preset calculator`)."""
     return replace(calculator(), env={"name": ""},
-                   agent={"name": "dppo.agents.examples.calculator:solve", "max_calls": 3})
+                   agent={"name": "dppo.episodes.examples.calculator:solve", "max_calls": 3})
 
 
 def feedback() -> Config:

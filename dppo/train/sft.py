@@ -4,12 +4,12 @@ before RL (as verl's retool and prime-rl's wordle recipes do).
     losses = agent_sft(model, tokenizer, make_environment("calculator"), task.train, steps=60, batch_size=8, lr=3e-5)
     save_model(model, tokenizer, "runs/calc-sft")        # then: dppo train --preset calculator --model.name runs/calc-sft
 
-Each training example becomes one episode laid out exactly as the episode runner (`dppo.rollout.episodes`) lays
+Each training example becomes one episode laid out exactly as the episode runner (`dppo.episodes.env_loop`) lays
 out what it samples, so SFT and RL train the same token sequences:
 
-    prompt_ids    | ChatDelta.prompt(env.reset(example), tool schemas)      (tools in the system prompt when the
+    prompt_ids    | ChatCodec.render(env.reset(example), tool schemas)      (tools in the system prompt when the
                   |                                                          template has no tools support)
-    response_ids  | encode(assistant_1) <eos> | boundary + suffix(env messages) | encode(assistant_2) <eos> ...
+    response_ids  | encode(assistant_1) <eos> | append(env messages)            | encode(assistant_2) <eos> ...
     loss_mask     | 1 ...               1     | 0 ...                         0 | 1 ...               1
 
 The transcript is `env.demonstration(example)` (a correct episode after reset's messages). Loss: token-mean
@@ -38,7 +38,7 @@ from torch import nn
 
 from dppo.envs.base import check_messages
 from dppo.envs.tools import tool_schema
-from dppo.rollout.episodes import ChatDelta
+from dppo.episodes.chat import ChatCodec
 from dppo.train.scoring import score_responses
 
 
@@ -57,7 +57,7 @@ def build_transcript(tokenizer, env, example, *, delta=None, name: str = "enviro
 
     ValueError (naming the environment and the example) when the environment has no demonstration or the
     demonstration does not start with an assistant message."""
-    delta = delta or ChatDelta(tokenizer)
+    delta = delta or ChatCodec(tokenizer)
     first = check_messages(env.reset(example), name)
     demo = env.demonstration(example) if callable(getattr(env, "demonstration", None)) else None
     if not demo:
@@ -68,7 +68,7 @@ def build_transcript(tokenizer, env, example, *, delta=None, name: str = "enviro
         raise ValueError(f"environment {name!r}: the demonstration of example {example.uid} starts with a "
                          f"{demo[0].get('role')!r} message; it must start with the assistant's first turn")
     schemas = [tool_schema(fn) for fn in getattr(env, "tools", ())]
-    prompt = delta.prompt(first, schemas)
+    prompt = delta.render(first, schemas)
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     mask: list[bool] = []
@@ -85,7 +85,7 @@ def build_transcript(tokenizer, env, example, *, delta=None, name: str = "enviro
             j += 1
         if j == len(demo):  # environment messages after the last turn: the runner ends the episode before them
             break
-        env_ids = list(delta.boundary) + delta.suffix(demo[i:j])
+        env_ids = delta.append(demo[i:j])  # (the boundary, then the messages)
         ids += env_ids
         mask += [False] * len(env_ids)
         i = j
@@ -93,8 +93,8 @@ def build_transcript(tokenizer, env, example, *, delta=None, name: str = "enviro
 
 
 def build_transcripts(tokenizer, env_factory: Callable, examples: Sequence, *, name: str = "environment") -> list[Transcript]:
-    """`build_transcript` of every example, a fresh environment each (one `ChatDelta` for all)."""
-    delta = ChatDelta(tokenizer)
+    """`build_transcript` of every example, a fresh environment each (one `ChatCodec` for all)."""
+    delta = ChatCodec(tokenizer)
     return [build_transcript(tokenizer, env_factory(), ex, delta=delta, name=name) for ex in examples]
 
 

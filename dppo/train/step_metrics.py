@@ -104,7 +104,7 @@ class StepAccumulator:
 def step_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, reward_stats: dict, adv_stats: dict,
                  update: dict, *, lr: float, skipped_steps: int, max_staleness: int) -> dict[str, Any]:
     """The step's metrics before the one host sync (`perf/*` timings are added by the trainer). `success`: [B] bool,
-    each episode's `dppo.rollout.episodes.episode_success` (reward/accuracy is its mean, as evaluation's pass@1)."""
+    each episode's `dppo.episodes.results.episode_success` (reward/accuracy is its mean, as evaluation's pass@1)."""
     lengths = batch.response_lengths.float()
     return {
         "reward/mean": rewards.mean(),

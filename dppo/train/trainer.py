@@ -27,9 +27,9 @@ from transformers import set_seed
 from dppo.advantages import compute_advantages
 from dppo.divergence import topk_kl, topk_tv
 from dppo.losses import LOSSES, aggregation_denominator
+from dppo.episodes.results import episode_rewards, episode_success
 from dppo.rewards.runner import NonFiniteRewardError
 from dppo.rollout.base import SamplingParams
-from dppo.rollout.episodes import episode_rewards, episode_success
 from dppo.rollout.source import Draw
 from dppo.run_files.checkpoint import save_training_checkpoint
 from dppo.run_files.logger import RunLogger
@@ -282,7 +282,7 @@ class Trainer:
         `batch_stats`: the mini-batch's statistics the trust region reads (`mini_batch_statistics`)."""
         mask, rollout_logp = batch.loss_mask[micro], batch.rollout_logp[micro]  # generated tokens only
         inputs = loss_inputs(batch, micro, scores, old if self.cfg.loss.anchor == "recompute" else None,
-                             topk_divergence=self.topk_divergence, n_turns=max(self.cfg.env.max_turns, 1),
+                             topk_divergence=self.topk_divergence, n_turns=self.episodes.max_turns,
                              batch_stats=batch_stats)
         loss, stats = self.loss_fn(scores.logp, rollout_logp, adv[micro], mask, self.loss_spec, inputs,
                                    max_response_len=self.max_response_len, denominator=denom)

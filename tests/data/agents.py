@@ -98,16 +98,21 @@ def one_call(client, example):
     return float(digits == example.answer)
 
 
-def scripted(client, example):
+def scripted(client, example, calls: int = 3):
     """tests/data/scripted_env.py:Scripted (3 turns) written as an agent: each reply but the last is answered by a
     tool message `result <t>`; the reward is the number of digits the model wrote."""
     prompt = example.prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     digits = 0
-    for t in range(1, 4):
+    for t in range(1, calls + 1):
         reply = client.chat.completions.create(model="policy", messages=messages).choices[0].message
         digits += sum(c.isdigit() for c in reply.content or "")
         messages.append(reply.model_dump(exclude_none=True))
-        if t < 3:
+        if t < calls:
             messages.append({"role": "tool", "content": f"result {t}"})
     return float(digits)
+
+
+def six_calls(client, example):
+    """`scripted` with 6 calls: more than env.max_turns' default (4)."""
+    return scripted(client, example, calls=6)

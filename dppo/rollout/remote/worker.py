@@ -26,8 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from dppo.rollout.base import Rollout, SamplingParams
-from dppo.rollout.episodes import Episodes
-from dppo.rollout.source import stamp
+from dppo.rollout.source import Episodes, stamp
 from dppo.rollout.spec import EngineSpec, build_engine
 
 
@@ -42,7 +41,7 @@ class Request:
     """The task examples of this share."""
     params: SamplingParams
     episodes: Episodes
-    """The run's environment (`dppo.rollout.episodes`): its collector runs the episodes of `examples`."""
+    """The run's episodes (`dppo.rollout.source.Episodes`): their collector runs the episodes of `examples`."""
 
 
 @dataclass

@@ -1,15 +1,15 @@
 """An agent's episode as training rows: the proxy's calls joined token in, token out.
 
-Every call of an episode (`AgentEpisode`) is answered from a prompt made of token ids, and becomes part of a row
-(a `dppo.rollout.episodes.TokenRecord`):
+Every call of an episode (`ProxyEpisode`) is answered from a prompt made of token ids, and becomes part of a row
+(a `Row`: a `dppo.episodes.records.TokenRecord` and what a later call must extend to join it):
 
 - **Joins a row** when it extends one: a chat call whose messages are a row's transcript so far (its messages and
   the assistant message the proxy returned, compared field by field) followed by new messages, *and* whose chat
-  template renders that transcript as a prefix of the whole request (the template did not rewrite it); or a
-  completions call whose prompt ids start with the row's ids. The row's ids are kept as sampled, the new
-  messages' ids are the template's rendering of them (the suffix after the transcript; the template's boundary
-  after the stop token, and the stop token itself when the engine did not sample it, included) and enter the row
-  with loss mask 0; the call's generated tokens follow with mask 1, µ and µ's top-K cells.
+  template renders that transcript as a prefix of the whole request (`dppo.episodes.chat.ChatCodec.extend`: the
+  template did not rewrite it); or a completions call whose prompt ids start with the row's ids. The row's ids are
+  kept as sampled, the new messages' ids are the template's rendering of them (the suffix after the transcript;
+  the template's boundary after the stop token, and the stop token itself when the engine did not sample it,
+  included) and enter the row with loss mask 0; the call's generated tokens follow with mask 1, µ and µ's top-K.
 - **Starts a row** otherwise (a template that strips earlier reasoning, an agent that edits its history, a
   sub-agent's own conversation): the whole request rendered by the template is the new row's prompt.
 
@@ -19,24 +19,37 @@ token's turn is the call that sampled it (per-call metrics), its version the wei
 
 from __future__ import annotations
 
+import json
 import math
 
-from dppo.agents.chat import render, template_messages
+from dppo.episodes.chat import ChatCodec, template_messages, transcript
+from dppo.episodes.records import TokenRecord
 from dppo.rollout.base import Episode, Rollout
-from dppo.rollout.episodes import TokenRecord, transcript
 
 
-class Row(TokenRecord):
-    """One training row of an agent episode and what a later call must extend to join it."""
+class Row:
+    """One training row of an agent episode: its tokens, and what a later call must extend to join it."""
 
     def __init__(self, prompt_ids: list[int], messages: list[dict] | None, tools: list[dict]) -> None:
-        super().__init__(prompt_ids)
+        self.tokens = TokenRecord(prompt_ids)
         self.messages = messages  # the transcript as the client sends it (None: a completions row)
         self.raw = template_messages(messages) if messages is not None else None  # as the template renders it
         self.tools = tools
         self.returned: dict | None = None  # the assistant message of the last call, as returned to the client
-        self.stopped = True  # whether the last call ended with the engine's stop token
         self.busy = False  # a call on it is in flight (a concurrent call of the episode starts its own row)
+
+    def remember(self, messages: list[dict], text: str, message: dict, *, new: bool) -> None:
+        """After a chat call on this row: its transcript is `messages` and the reply (generated `text`, returned to
+        the client as `message`)."""
+        if not new:
+            k = len(self.messages)
+            self.raw = self.raw + [{"role": "assistant", "content": self.returned["raw"]}] + \
+                template_messages(messages[k + 1:])
+        self.messages = messages
+        self.returned = {"role": "assistant", "content": message["content"] or "", "raw": text,
+                         "tool_calls": [{"id": c["id"], "name": c["function"]["name"],
+                                         "arguments": json.loads(c["function"]["arguments"])}
+                                        for c in message.get("tool_calls") or []]}
 
 
 def _same_message(sent: dict, kept: dict) -> bool:
@@ -48,7 +61,7 @@ def _same_message(sent: dict, kept: dict) -> bool:
                                     and (x.get("id") is None or x["id"] == y.get("id")) for x, y in zip(a, b))
 
 
-def chat_join(row: Row, messages: list[dict], tools: list[dict], tokenizer) -> list[int] | None:
+def chat_join(row: Row, messages: list[dict], tools: list[dict], codec: ChatCodec) -> list[int] | None:
     """The ids the chat call `messages` appends to `row` (before its generation), or None when it does not extend
     the row (module docstring)."""
     if row.messages is None or row.returned is None or tools != row.tools:
@@ -59,26 +72,19 @@ def chat_join(row: Row, messages: list[dict], tools: list[dict], tokenizer) -> l
     if not _same_message(messages[k], row.returned) or any(m["role"] == "assistant" for m in messages[k + 1:]):
         return None
     history = row.raw + [{"role": "assistant", "content": row.returned["raw"]}]
-    base = render(tokenizer, history, tools, generation_prompt=False)
-    full = render(tokenizer, history + template_messages(messages[k + 1:]), tools)
-    if full[:len(base)] != base:
-        return None  # the template rewrote the transcript: a new row
-    eos = tokenizer.eos_token_id
-    ends = [i for i, t in enumerate(base) if t == eos]
-    boundary = base[ends[-1] + 1:] if ends else []
-    return ([] if row.stopped else [eos]) + boundary + full[len(base):]
+    return codec.extend(history, template_messages(messages[k + 1:]), tools, stopped=row.tokens.stopped)
 
 
 def ids_join(row: Row, prompt: list[int]) -> list[int] | None:
     """The ids a completions call with `prompt` appends to `row`, or None when it does not start with the row's."""
-    context = row.context()
+    context = row.tokens.context()
     if row.messages is not None or len(prompt) <= len(context) or prompt[:len(context)] != context:
         return None
     return prompt[len(context):]
 
 
-class AgentEpisode:
-    """One agent episode: its rows, calls, reward and what went wrong (state lives in the proxy)."""
+class ProxyEpisode:
+    """One agent episode at the proxy: its rows, calls, reward and what went wrong."""
 
     def __init__(self, prompt_index: int, example, key: str, order: int = 0) -> None:
         self.prompt_index, self.example, self.key, self.order = prompt_index, example, key, order
@@ -90,44 +96,51 @@ class AgentEpisode:
         self.timed_out = False
         self.closed = False
 
-    def place(self, messages: list[dict] | None, tools: list[dict], prompt: list[int] | None, tokenizer):
+    def place(self, messages: list[dict] | None, tools: list[dict], prompt: list[int] | None, codec: ChatCodec):
         """(row, ids to append, is_new) for a call: the newest row it extends, else a new row."""
         for row in reversed(self.rows):
             if row.busy:
                 continue
-            extra = chat_join(row, messages, tools, tokenizer) if messages is not None else ids_join(row, prompt)
+            extra = chat_join(row, messages, tools, codec) if messages is not None else ids_join(row, prompt)
             if extra is not None:
                 return row, extra, False
-        ids = render(tokenizer, template_messages(messages), tools) if messages is not None else list(prompt)
+        ids = codec.render(template_messages(messages), tools) if messages is not None else list(prompt)
         return Row(ids, messages, tools), [], True
+
+    def record(self, row: Row, extra: list[int], new: bool, result: Rollout, eos_id: int) -> None:
+        """A call's tokens into `row`: the ids it appended (`extra`, mask 0, as the turn they answer), then what it
+        generated (`result`, this call's turn)."""
+        if extra:
+            row.tokens.add_inserted(extra, max(self.calls - 1, 0))
+        row.tokens.add_generated(result, self.calls, eos_id)
+        self.calls += 1
+        if new:
+            self.rows.append(row)
 
     def rollouts(self, eos_id: int, version: int) -> list[Rollout]:
         """The episode's rows as rollouts (the first carries the episode's record; every row its reward). An
         episode that made no call gets one row with no trained token (its reward still counts in its group)."""
         reward = self.reward if self.reward is not None else 0.0
         failed = self.error is not None
-        rows = [r for r in self.rows if r.mask.count(True)]
-        if not rows:
-            empty = Row([eos_id], None, [])
-            empty.versions, empty.ids, empty.logp, empty.mask, empty.turn = [version], [eos_id], [0.0], [False], [0]
-            empty.cells = [1]
-            rows = [empty]
+        rows = [r for r in self.rows if r.tokens.mask.count(True)]
+        records = [r.tokens for r in rows] or [TokenRecord.empty(eos_id, version)]
         out = []
-        for i, row in enumerate(rows):
+        for i, tokens in enumerate(records):
+            row = rows[i] if rows else None
             text = transcript(row.messages + [{"role": "assistant", "content": row.returned["raw"]}]) \
-                if row.messages is not None and row.returned is not None else ""
+                if row is not None and row.messages is not None and row.returned is not None else ""
             if i == 0:
                 text += f"\n<error> {self.error}" if self.error else ""
                 record = Episode(completion=text, error=self.error, turns=float(self.calls),
                                  tool_calls=float(self.tool_calls), truncated=float(self.truncated > 0),
                                  env_errors=float(failed and not self.timed_out), env_timeouts=float(self.timed_out),
-                                 env_tokens=float(sum(r.mask.count(False) for r in rows)), success=math.nan,
+                                 env_tokens=float(sum(t.inserted for t in records)), success=math.nan,
                                  refused_calls=float(self.refused))
             else:
                 record = Episode(completion=text, turns=0.0)
             finish = "length" if self.truncated else "eos"
-            out.append(row.to_rollout(self.prompt_index, finish, reward=reward, episode=record, row=i))
+            out.append(tokens.to_rollout(self.prompt_index, finish, reward=reward, episode=record, row=i))
         return out
 
 
-__all__ = ["AgentEpisode", "Row", "chat_join", "ids_join"]
+__all__ = ["ProxyEpisode", "Row", "chat_join", "ids_join"]

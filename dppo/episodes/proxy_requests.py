@@ -1,17 +1,12 @@
-"""OpenAI request bodies as the proxy takes them: what is refused, how messages become token ids, how a reply becomes
-an OpenAI message.
+"""OpenAI request bodies as the agent proxy takes them: what is refused and why, in the OpenAI error shape.
 
-- `check_request(body, endpoint, temperature=...)` → `Request` or `RequestError` (the OpenAI error shape, naming the
-  field). Refused: whatever the trust region cannot honour — a temperature other than the run's (µ is recorded at
-  the run's temperature), `top_p` < 1, `n` > 1 (the group is dppo's: G episodes, not G choices), beam search,
-  `best_of`, `logit_bias`, frequency / presence / repetition penalties, `min_p`, `top_k`, stop strings, streaming,
-  structured outputs, `tool_choice` other than `auto`; and fields the proxy does not know. The reason is in the
-  message, so an agent author sees why.
-- `render(tokenizer, messages, tools)` → prompt ids through the model's chat template (tools through the template
-  when it renders `tools=`, else the Hermes tool prompt in the system message, as dppo's environments do;
-  assistant `tool_calls` become the Hermes blocks the model writes).
-- `reply_message(text)` → the OpenAI assistant message of a generated reply: Hermes
-  `<tool_call>{...}</tool_call>` blocks become `tool_calls` (ids `call_<n>`), the rest is `content`.
+`check_request(body, endpoint, temperature=...)` → `Request` or `RequestError` (status 400, `invalid_request_error`,
+the field in `param`). Refused: whatever the trust region cannot honour — a temperature other than the run's (µ is
+recorded at the run's temperature), `top_p` < 1, `n` > 1 (the group is dppo's: G episodes, not G choices), beam
+search, `best_of`, `logit_bias`, frequency / presence / repetition penalties, `min_p`, `top_k`, stop strings,
+streaming, structured outputs, `tool_choice` other than `auto`; and fields the proxy does not know. The reason is in
+the message, so an agent author sees why. Messages come back normalised (`developer` as `system`, text parts
+joined, assistant `tool_calls` as {id, name, arguments}).
 """
 
 from __future__ import annotations
@@ -20,8 +15,6 @@ import json
 import math
 from dataclasses import dataclass
 from typing import Any
-
-from dppo.envs.tools import parse_tool_calls, render_messages_with_tools, template_supports_tools
 
 NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
            "min_p": (0, 0.0), "top_k": (0, -1), "logit_bias": ({},), "use_beam_search": (False,), "best_of": (1,),
@@ -167,41 +160,4 @@ def _tools(tools: Any) -> list[dict]:
     return [{"type": "function", "function": dict(t["function"])} for t in tools]
 
 
-def hermes_text(message: dict) -> str:
-    """An assistant message as the model writes it: its content, then one Hermes block per tool call."""
-    blocks = [f"<tool_call>{json.dumps({'name': c['name'], 'arguments': c['arguments']})}</tool_call>"
-              for c in message.get("tool_calls", ())]
-    return "\n".join(([message["content"]] if message["content"] else []) + blocks)
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as the chat template takes them (assistant tool calls written as Hermes text)."""
-    return [{"role": m["role"], "content": hermes_text(m) if m["role"] == "assistant" else m["content"]}
-            for m in messages]
-
-
-def render(tokenizer, messages: list[dict], tools: list[dict], *, generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` (template form) with `tools`, through the tokenizer's chat template."""
-    kwargs = {}
-    if tools and template_supports_tools(tokenizer):
-        kwargs["tools"] = tools
-    elif tools:
-        messages = render_messages_with_tools(tokenizer, messages, tools)
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True, **kwargs)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
-def reply_message(text: str, call_base: int) -> tuple[dict, str]:
-    """The OpenAI assistant message of a generated reply and its finish reason's kind ("tool_calls" when the reply
-    holds well-formed Hermes calls, else "stop"). Malformed blocks stay in the content (the agent sees what the
-    model wrote). `call_base` numbers the call ids (unique within the episode)."""
-    calls, malformed = parse_tool_calls(text)
-    if not calls or malformed:
-        return {"role": "assistant", "content": text}, "stop"
-    content = text[:text.find("<tool_call>")].strip()
-    tool_calls = [{"id": f"call_{call_base + i}", "type": "function",
-                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for i, c in enumerate(calls)]
-    return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, "tool_calls"
-
-
-__all__ = ["Request", "RequestError", "check_request", "hermes_text", "render", "reply_message", "template_messages"]
+__all__ = ["IGNORED", "NEUTRAL", "Request", "RequestError", "check_request"]

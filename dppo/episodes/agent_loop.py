@@ -6,13 +6,14 @@
         ...
         return 1.0 if ... else 0.0         # the episode's reward (or None after POSTing it to <base>/../reward)
 
-`async def solve(client, example)` gets an `openai.AsyncOpenAI` instead. `AgentSpec` is the run's `Episodes`
-(`dppo.rollout.episodes`): its collector opens P x G episodes on the proxy (`dppo.agents.proxy`, started once per
-process, where the engine is), runs the agents on the proxy's event loop (`agent.concurrency` at a time; a sync
-agent in its own daemon thread), each bounded by `agent.timeout_s`, and serves their calls with the engine from
-the calling thread until all have ended. An agent that raises, hangs past its timeout or returns something other
-than a finite number ends its episode with reward 0, its error named in the samples file and counted
-(`episode/env_errors`, `episode/env_timeouts`); the run goes on. Its calls become rows (`dppo.agents.rows`).
+`async def solve(client, example)` gets an `openai.AsyncOpenAI` instead. `AgentEpisodes` are the run's episodes
+when `agent.name` is set (`dppo.episodes.settings.AgentSettings.episodes`): its collector opens P x G episodes on
+the proxy (`dppo.episodes.proxy`, started once per process, where the engine is), runs the agents on the proxy's
+event loop (`agent.concurrency` at a time; a sync agent in its own daemon thread), each bounded by
+`agent.timeout_s`, and serves their calls with the engine from the calling thread until all have ended. An agent
+that raises, hangs past its timeout or returns something other than a finite number ends its episode with reward
+0, its error named in the samples file and counted (`episode/env_errors`, `episode/env_timeouts`); the run goes
+on. Its calls become rows (`dppo.episodes.agent_rows`).
 
 The agent runs in the trainer's process, with the trainer's user's rights — no more than the user's own code
 already has; the sandbox (`dppo.envs.sandbox`) is for code the *model* writes.
@@ -25,17 +26,20 @@ import inspect
 import math
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
-from dppo.agents.proxy import Proxy, ProxySettings
+from dppo.episodes.proxy import Proxy
+from dppo.episodes.results import episode_metrics
 from dppo.rollout.base import Rollout, SamplingParams
-from dppo.rollout.episodes import first_rows
 from dppo.runtime.plugins import load_object
-
 
 PROMPT_ROOM = 1024
 """Prompt positions per episode the engine's prefix cache is sized for (beside its rows' `max_tokens`)."""
+
+COUNTERS = ("turns", "tool_calls", "rows", "refused_calls")
+"""What an agent's episodes count, reported as means per episode (`episode/<name>_mean`): calls (`turns`), the
+model's tool calls, rows, calls the proxy refused."""
 
 
 def load_agent(name: str):
@@ -54,73 +58,49 @@ def load_agent(name: str):
 
 
 @dataclass(frozen=True)
-class AgentSpec:
-    """The run's agent episodes (picklable: rollout workers receive it; the proxy is started where it runs). The
-    limits have no defaults here: the run config's `AgentConfig` owns them (`dppo.train.build.agent_spec`)."""
+class AgentEpisodes:
+    """The run's agent episodes (`dppo.rollout.source.Episodes`, picklable: rollout workers receive them; the proxy
+    is started where they run): the `agent` settings, and `max_tokens`, a row's response tokens (env.max_tokens)."""
 
-    agent: str
-    max_calls: int = field(kw_only=True)
-    max_tokens: int = field(kw_only=True)
-    """A row's response tokens (env.max_tokens)."""
-    timeout_s: float = field(kw_only=True)
-    concurrency: int = field(kw_only=True)
-    host: str = field(kw_only=True)
-    port: int = field(kw_only=True)
-    max_request_bytes: int = field(kw_only=True)
-    max_concurrent_requests: int = field(kw_only=True)
+    settings: Any
+    """The run config's `agent` section, `dppo.episodes.settings.AgentSettings` (which builds these episodes)."""
+    max_tokens: int
 
     @property
     def max_turns(self) -> int:
-        """Calls per episode (the per-turn metrics count calls)."""
-        return self.max_calls
-
-    def settings(self) -> ProxySettings:
-        return ProxySettings(host=self.host, port=self.port, max_calls=self.max_calls, max_tokens=self.max_tokens,
-                             max_request_bytes=self.max_request_bytes, max_concurrent=self.max_concurrent_requests)
+        """Calls per episode (the per-turn metrics and the loss's per-turn units count calls)."""
+        return self.settings.max_turns
 
     def collector(self) -> "AgentCollector":
-        return AgentCollector(self)
+        return AgentCollector(self.settings, self.max_tokens)
 
     def score(self, examples: Sequence, rollouts: list[Rollout]) -> None:
         """Nothing to do: each agent returned (or posted) its episode's reward."""
 
     def check(self, example) -> str | None:
-        kind = "async" if inspect.iscoroutinefunction(load_agent(self.agent)) else "sync"
-        return (f"[dppo] agent {self.agent!r} ({kind}) through the OpenAI-compatible proxy on {self.host} "
+        s = self.settings
+        kind = "async" if inspect.iscoroutinefunction(load_agent(s.name)) else "sync"
+        return (f"[dppo] agent {s.name!r} ({kind}) through the OpenAI-compatible proxy on {s.host} "
                 f"(a base URL per episode); it runs with this process's rights")
 
     def metrics(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
-        """Per episode: calls (`turns`), the model's tool calls, rows, refused calls; the truncated share, the share
-        of inserted tokens among the response tokens, errors and timeouts (totals)."""
-        eps = [r.episode for r in first_rows(rollouts)]
-        n = len(eps)
-        tokens = sum(int(r.response_ids.numel()) for r in rollouts)
-        inserted = sum(int((~r.loss_mask).sum()) for r in rollouts)
-        return {"episode/turns_mean": sum(e.turns for e in eps) / n,
-                "episode/tool_calls_mean": sum(e.tool_calls for e in eps) / n,
-                "episode/rows_mean": len(rollouts) / n,
-                "episode/refused_calls_mean": sum(e.refused_calls for e in eps) / n,
-                "episode/truncated_frac": sum(e.truncated for e in eps) / n,
-                "episode/env_token_frac": inserted / max(tokens, 1),
-                "episode/generated_tokens_mean": (tokens - inserted) / n,
-                "episode/env_errors": float(sum(e.env_errors for e in eps)),
-                "episode/env_timeouts": float(sum(e.env_timeouts for e in eps))}
+        return episode_metrics(rollouts, COUNTERS)
 
 
 class AgentCollector:
     """`collect(engine, examples, params)`: params.n agent episodes per example (module docstring)."""
 
-    def __init__(self, spec: AgentSpec) -> None:
-        self.spec = spec
+    def __init__(self, settings, max_tokens: int) -> None:
+        self.settings, self.max_tokens = settings, max_tokens
         self.proxy: Proxy | None = None
         self._fn = None
         self._clients = None
 
     def __getstate__(self):
-        return {"spec": self.spec}
+        return {"settings": self.settings, "max_tokens": self.max_tokens}
 
     def __setstate__(self, state) -> None:
-        self.__init__(state["spec"])
+        self.__init__(state["settings"], state["max_tokens"])
 
     def close(self) -> None:
         if self.proxy is not None:
@@ -135,15 +115,15 @@ class AgentCollector:
         if self._clients is None:
             import httpx
 
-            limits = httpx.Limits(max_connections=self.spec.max_concurrent_requests,
-                                  max_keepalive_connections=self.spec.max_concurrent_requests)
+            n = self.settings.max_concurrent_requests
+            limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
             self._clients = (httpx.Client(limits=limits), httpx.AsyncClient(limits=limits))
         return self._clients
 
     def __call__(self, engine, examples: Sequence, params: SamplingParams) -> list[Rollout]:
         if self.proxy is None:
-            self._fn = load_agent(self.spec.agent)
-            self.proxy = Proxy(self.spec.settings())
+            self._fn = load_agent(self.settings.name)
+            self.proxy = Proxy(self.settings, max_tokens=self.max_tokens)
             self.proxy.start()
         proxy = self.proxy
         episodes = [proxy.open(p, ex) for p, ex in enumerate(examples) for _ in range(params.n)]
@@ -152,7 +132,7 @@ class AgentCollector:
         done = asyncio.run_coroutine_threadsafe(self._run_all(episodes, state), proxy.loop)
         try:
             proxy.serve(engine, params, active=lambda: state["active"], finished=lambda: state["left"] == 0,
-                        prefix_tokens=len(episodes) * (self.spec.max_tokens + PROMPT_ROOM))
+                        prefix_tokens=len(episodes) * (self.max_tokens + PROMPT_ROOM))
             done.result()
         finally:
             proxy.close_episodes()
@@ -160,7 +140,7 @@ class AgentCollector:
         return [r for ep in episodes for r in ep.rollouts(eos, engine.weight_version)]
 
     async def _run_all(self, episodes, state) -> None:
-        limit = asyncio.Semaphore(self.spec.concurrency or len(episodes))
+        limit = asyncio.Semaphore(self.settings.concurrency or len(episodes))
 
         async def one(ep) -> None:
             async with limit:
@@ -178,28 +158,28 @@ class AgentCollector:
     async def _run_one(self, ep) -> None:
         import openai
 
-        spec, fn, url = self.spec, self._fn, self.proxy.base_url(ep)
-        common = {"base_url": url, "api_key": self.proxy.key, "max_retries": 0, "timeout": spec.timeout_s}
+        s, fn, url = self.settings, self._fn, self.proxy.base_url(ep)
+        common = {"base_url": url, "api_key": self.proxy.key, "max_retries": 0, "timeout": s.timeout_s}
         http_sync, http_async = self._http()  # (shared: a new client per episode costs ~30 ms of SSL set-up)
         try:
             if inspect.iscoroutinefunction(fn):
                 client = openai.AsyncOpenAI(**common, http_client=http_async)
-                value = await asyncio.wait_for(fn(client, ep.example), spec.timeout_s)
+                value = await asyncio.wait_for(fn(client, ep.example), s.timeout_s)
             else:
                 client = openai.OpenAI(**common, http_client=http_sync)
-                value = await asyncio.wait_for(asyncio.wrap_future(_in_thread(fn, client, ep.example)), spec.timeout_s)
+                value = await asyncio.wait_for(asyncio.wrap_future(_in_thread(fn, client, ep.example)), s.timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
-            ep.timed_out, ep.error = True, f"agent {spec.agent!r}: timed out after {spec.timeout_s:g}s"
+            ep.timed_out, ep.error = True, f"agent {s.name!r}: timed out after {s.timeout_s:g}s"
             return
         except Exception as err:  # noqa: BLE001 - contained: the episode ends, counted and named
-            ep.error = f"agent {spec.agent!r}: {type(err).__name__}: {err}"[:2000]
+            ep.error = f"agent {s.name!r}: {type(err).__name__}: {err}"[:2000]
             return
         if value is None:
             value = ep.posted
         if value is None:
-            ep.error = f"agent {spec.agent!r}: returned None and posted no reward"
+            ep.error = f"agent {s.name!r}: returned None and posted no reward"
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            ep.error = f"agent {spec.agent!r}: returned {value!r:.100}, expected a finite number (the reward)"
+            ep.error = f"agent {s.name!r}: returned {value!r:.100}, expected a finite number (the reward)"
         else:
             ep.reward = float(value)
 
@@ -220,4 +200,4 @@ def _in_thread(fn, client, example) -> Future:
     return out
 
 
-__all__ = ["AgentCollector", "AgentSpec", "load_agent"]
+__all__ = ["AgentCollector", "AgentEpisodes", "COUNTERS", "load_agent"]

@@ -1,0 +1,1 @@
+"""Example agents written against an OpenAI client, importing no dppo module (`dppo.episodes.examples.calculator`)."""
