@@ -100,7 +100,7 @@ def feedback_steps(episodes: int, steps: int):
     def run() -> float:
         run_dir = root / f"run{next(runs)}"
         cfg = replace(Config(), model={"name": str(root / "model"), "precision": "fp32"},
-                      rollout={"engine": "hf", "dtype": "float32", "prompts_per_step": episodes // 8, "group_size": 8,
+                      rollout={"episodes": "env", "engine": "hf", "dtype": "float32", "prompts_per_step": episodes // 8, "group_size": 8,
                                "max_new_tokens": 4},
                       task={"name": "addition", "options": '{"digits": 1}', "size": 80, "eval_size": 0},
                       env={"name": "feedback", "max_turns": 3, "max_tokens": 160},

@@ -3,7 +3,7 @@
 The questions (reasoning-gym chain_sum, 4-5 terms of 3 digits) are beyond what a 135M model adds in its head; the
 environment offers a `calculate` tool. The run is exactly the commands docs/agents.md "Results" quotes:
 
-  1. `dppo eval --preset calculator --env.name ""`: the base model without tools (pass@1 on held-out questions);
+  1. `dppo eval --preset calculator --rollout.episodes single`: the base model without tools (pass@1 on held-out questions);
   2. `dppo sft --preset calculator --out DIR` (3 steps on the environment's demonstrations): the tool-call format,
      only partly;
   3. `dppo train --preset calculator --model.name DIR` with evaluation before and after: DPPO-Binary-TV on whole
@@ -42,7 +42,7 @@ def main() -> None:
     args = p.parse_args()
 
     from dppo.cli import main as dppo
-    from dppo.train.config import replace
+    from dppo.train.config import choose, replace
     from dppo.train.evaluation import evaluate_checkpoint
     from dppo.train.presets import get_preset
     from dppo.train.trainer import Trainer
@@ -51,7 +51,7 @@ def main() -> None:
     task = {"eval_size": args.eval_size}
     train = {"eval_before": True, **({"steps": args.steps} if args.steps else {})}
     t0 = time.perf_counter()
-    no_tools = evaluate_checkpoint(replace(get_preset("calculator"), env={"name": ""}, task=task), None)
+    no_tools = evaluate_checkpoint(choose(replace(get_preset("calculator"), task=task), episodes="single"), None)
     t_base = time.perf_counter() - t0
     sft = out / "calc-sft"
     if dppo(["sft", "--preset", "calculator", "--out", str(sft), "--steps", str(args.sft_steps), "--log-every", "0"]):

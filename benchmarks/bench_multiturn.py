@@ -337,7 +337,7 @@ def main() -> None:
     for turns in turns_list:
         settings = EnvSettings(ENV_PATH, json.dumps({"turns": turns, "chars": args.env_chars}), max_turns=turns,
                                max_tokens=1 << 20)
-        spec = settings.episodes(max_new_tokens=args.new, max_tokens=settings.max_tokens)
+        spec = settings.episodes(max_new_tokens=args.new)
         t0 = time.perf_counter()
         row = {"turns": turns, **compare_designs(spec, engine, examples, params, args.repeats, args.retok_prefix_cache)}
         if not args.no_sources:

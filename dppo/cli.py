@@ -48,7 +48,7 @@ from dppo.run_files.run_dir import JsonlWriter, RunDirError, checkpoint_path, co
 from dppo.studies.diagnose.cli import cmd_diagnose as diagnose_command
 from dppo.studies.sanity import cmd_sanity as sanity_command
 from dppo.train.build import build_model, build_task, check_environment
-from dppo.train.config import Config, ConfigError, replace
+from dppo.train.config import Config, ConfigError, choose, replace
 from dppo.train.distributed import DistributedError, world_from_env
 from dppo.train.evaluation import evaluate_checkpoints, load_checkpoint_weights
 from dppo.train.plot import plot_runs
@@ -106,10 +106,22 @@ def _base_config(ns: argparse.Namespace) -> tuple[Config, str]:
     return get_preset(name), name
 
 
+def _flag(args: list[str], name: str) -> str | None:
+    """The last value of flag `name` in `args` (`--name value` or `--name=value`), None when absent."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def parse_config(argv: list[str], *, prog: str, resume: bool = True) -> tuple[Config, argparse.Namespace, str]:
     """Resolve the config for `train`/`eval` from argv (raises ConfigError naming the field)."""
     ns, rest = _split_args(argv, resume=resume)
     base, label = _base_config(ns)
+    base = choose(base, engine=_flag(rest, "--rollout.engine"), episodes=_flag(rest, "--rollout.episodes"))
     if "-h" in rest or "--help" in rest:
         tyro.cli(Config, default=base, args=["--help"], prog=prog, description=__doc__ + "\n" + _TOP)
     try:
@@ -343,9 +355,9 @@ def cmd_sft(argv: list[str]) -> int:
     if args.examples < 0:
         raise ConfigError(f"--examples: expected >= 0, got {args.examples}")
     cfg, ns, label = parse_config(rest, prog="dppo sft", resume=False)
-    if not cfg.env.name:
-        raise ConfigError("env.name: dppo sft trains on an environment's demonstrations; give a preset with an "
-                          "environment (calculator, python_tool, feedback) or --env.name")
+    if cfg.rollout.episodes != "env" or not cfg.env.name:
+        raise ConfigError("rollout.episodes: dppo sft trains on an environment's demonstrations; give a preset with "
+                          "an environment (calculator, python_tool, feedback) or --rollout.episodes env --env.name NAME")
     out = Path(args.out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not args.overwrite:
         raise ConfigError(f"--out: {out} already exists (give another folder, or --overwrite to replace it)")

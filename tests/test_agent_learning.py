@@ -7,7 +7,7 @@ instead of the ~1,000 of the Hermes tools text merged into the system prompt for
 behind that text the tiny model does not learn to copy. The task is one-digit addition ("3+5="); the environment is
 the built-in `calculator` (a `calculate(expression)` tool, answers scored by their last number). The warm start
 (`dppo sft`, 200 steps x 32 demonstrations) makes every episode a tool call, its result and an answer; RL then
-trains on those episodes (20 steps x 8 x 8, lr 1e-4). Checked: the evaluation without tools (`env.name ""`) is one
+trains on those episodes (20 steps x 8 x 8, lr 1e-4). Checked: the evaluation without tools (`rollout.episodes single`) is one
 turn and no call; after the warm start nearly every episode calls the tool, and some answers are right (the tool's
 result reaches the model and is copied; measured pass@1 0.55); every RL step's episodes carry the calls and the
 tool's messages (environment tokens, not trained); pass@1 with tools after RL beats the model without tools by 0.25
@@ -30,7 +30,7 @@ import pytest
 from dppo.cli import main
 from dppo.runtime.models import CHATML_TEMPLATE, char_tokenizer, tiny_random_model
 from dppo.train.sft import save_model
-from dppo.train.config import replace
+from dppo.train.config import choose, replace
 from dppo.train.evaluation import evaluate_checkpoint
 from dppo.train.presets import get_preset
 from dppo.train.trainer import Trainer
@@ -41,7 +41,7 @@ TOOLS_TEMPLATE = ("{% if tools %}{{ '<|im_start|>tools\n' }}{% for t in tools %}
                   "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}" + CHATML_TEMPLATE)
 """ChatML with a tools block (the tool names) in front: `template_supports_tools` is true, the prompt stays short."""
 
-FLAGS = ["--preset", "smoke", "--env.name", "calculator", "--env.max-turns", "3", "--env.max-tokens", "200",
+FLAGS = ["--preset", "smoke", "--rollout.episodes", "env", "--env.name", "calculator", "--env.max-turns", "3", "--env.max-tokens", "200",
          "--rollout.max-new-tokens", "90", "--task.options", '{"digits": 1}', "--task.size", "80",
          "--task.eval-size", "20", "--train.threads", "1"]
 """The run: the smoke preset (addition, the hf engine, fp32) with the calculator environment; a tool call is ~75
@@ -51,7 +51,7 @@ characters with its stop token, an episode (call, result, answer) ~110 of the 20
 def config(model, run_dir=None, **sections):
     """FLAGS as a Config (the same fields `dppo sft` parses from them), `sections` merged over it."""
     base = replace(get_preset("smoke"), model={"name": str(model)},
-                   rollout={"max_new_tokens": 90}, env={"name": "calculator", "max_turns": 3, "max_tokens": 200},
+                   rollout={"episodes": "env", "max_new_tokens": 90}, env={"name": "calculator", "max_turns": 3, "max_tokens": 200},
                    task={"options": '{"digits": 1}', "size": 80, "eval_size": 20}, train={"threads": 1},
                    log={"tensorboard": False, "progress": False, **({"run_dir": str(run_dir)} if run_dir else {})})
     return replace(base, **sections)
@@ -64,7 +64,7 @@ def calculator_run(tmp_path_factory):
     tokenizer = char_tokenizer()
     tokenizer.chat_template = TOOLS_TEMPLATE
     save_model(tiny_random_model(tokenizer, hidden_size=128, num_layers=2, seed=0), tokenizer, root / "base")
-    no_tools = evaluate_checkpoint(config(root / "base", env={"name": ""}), None)
+    no_tools = evaluate_checkpoint(choose(config(root / "base"), episodes="single"), None)
     assert main(["sft", *FLAGS, "--model.name", str(root / "base"), "--out", str(root / "sft"), "--steps", "200",
                  "--batch-size", "32", "--lr", "3e-3", "--log-every", "0"]) == 0
     cfg = config(root / "sft", root / "rl", optim={"lr": 1e-4},

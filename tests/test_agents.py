@@ -58,7 +58,7 @@ def settings(name: str, **agent) -> AgentSettings:
 
 def spec(name: str, max_tokens: int = 128, **agent) -> AgentEpisodes:
     """The episodes of agent `name` (its rows' budget `max_tokens`)."""
-    return settings(name, **agent).episodes(max_new_tokens=8, max_tokens=max_tokens)
+    return settings(name, max_tokens=max_tokens, **agent).episodes(max_new_tokens=8)
 
 
 def collect(name: str, engine, examples=EXAMPLES, p=None, **agent):
@@ -210,7 +210,7 @@ def test_completion_calls_with_token_ids_join_by_ids(model, tokenizer):
     ({"tool_choice": "required"}, "tool_choice"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"frobnicate": 1}, "frobnicate"), ({"max_tokens": 0}, "max_tokens")])
 def test_a_refused_sampling_parameter_gets_the_openai_error_shape(model, tokenizer, body, param):
-    proxy = Proxy(settings("two_calls"), max_tokens=128)
+    proxy = Proxy(settings("two_calls", max_tokens=128))
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tokenizer), params())
@@ -231,7 +231,7 @@ def test_a_refused_sampling_parameter_gets_the_openai_error_shape(model, tokeniz
 
 
 def test_exposed_proxy_needs_the_runs_key_and_caps_request_size(model, tokenizer):
-    proxy = Proxy(settings("two_calls", host="0.0.0.0", max_request_bytes=2000), max_tokens=128)
+    proxy = Proxy(settings("two_calls", host="0.0.0.0", max_request_bytes=2000, max_tokens=128))
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tokenizer), params())
@@ -307,8 +307,8 @@ def test_the_trainer_trains_on_agent_rows_in_every_mode_and_mu_is_the_sampling_v
     from test_async import _Recording
     from test_episodes import check_mu_is_the_sampling_versions
 
-    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:scripted"}, env={"max_tokens": 120},
-                       rollout={"engine": "hf", "dtype": "float32", "max_new_tokens": 4, **MODES[mode]},
+    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:scripted", "max_tokens": 120},
+                       rollout={"episodes": "agent", "engine": "hf", "dtype": "float32", "max_new_tokens": 4, **MODES[mode]},
                        train={"threads": 1, "steps": 3})
     trainer = _Recording(cfg, tmp_path)
     try:
@@ -335,8 +335,8 @@ def test_an_episodes_rows_share_its_advantage_in_the_trainer(tmp_path, region):
             self.seen = (batch, adv.clone())
             return super()._update(batch, adv, old, timer)
 
-    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:edits_history"}, env={"max_tokens": 64},
-                       rollout={"engine": "hf", "max_new_tokens": 4}, train={"steps": 1, "mini_batches": 2},
+    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:edits_history", "max_tokens": 64},
+                       rollout={"episodes": "agent", "engine": "hf", "max_new_tokens": 4}, train={"steps": 1, "mini_batches": 2},
                        loss={"trust_region": region})
     trainer = Recording(cfg, tmp_path)
     taken = []
@@ -377,8 +377,8 @@ def test_an_agents_calls_past_env_max_turns_are_turn_units_of_their_own_in_the_l
         return inputs
 
     monkeypatch.setattr(trainer_module, "loss_inputs", recording)
-    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:six_calls", "max_calls": 8}, env={"max_tokens": 400},
-                       rollout={"engine": "hf", "max_new_tokens": 4}, train={"threads": 1, "steps": 1},
+    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:six_calls", "max_calls": 8, "max_tokens": 400},
+                       rollout={"episodes": "agent", "engine": "hf", "max_new_tokens": 4}, train={"threads": 1, "steps": 1},
                        loss={"sequence_mask": "max_divergence", "sequence_unit": "turn"})
     assert cfg.env.max_turns == 4
     with trainer_module.Trainer(cfg, tmp_path) as trainer:
@@ -408,11 +408,13 @@ def test_bad_agent_settings_fail_before_any_model_loads(tmp_path, monkeypatch):
             ({"name": "no_such_module_x:solve"}, {}, "^agent.name: agent .* cannot import module"),
             ({"name": f"{AGENTS}:_question"}, {}, "^agent.name: .* must take \\(client, example\\)"),
             ({"name": "nocolon"}, {}, "^agent.name: expected 'module:function'"),
-            ({"name": f"{AGENTS}:two_calls"}, {"env": {"name": "feedback"}}, "^agent.name: an agent and an environment"),
+            ({"name": f"{AGENTS}:two_calls"}, {"env": {"name": "feedback"}},
+             "^env.name: a setting of the env episodes, but the run's episodes are 'agent' \\(rollout.episodes\\)"),
+            ({"name": ""}, {}, "^agent.name: rollout.episodes agent needs an agent"),
             ({"name": f"{AGENTS}:two_calls", "max_calls": 0}, {}, "^agent.max_calls: expected >= 1"),
             ({"name": f"{AGENTS}:two_calls", "port": 70000}, {}, "^agent.port")]:
         with pytest.raises(ValueError, match=match):
-            trainer_module.Trainer(smoke_config(tmp_path, agent=agent, **extra), tmp_path)
+            trainer_module.Trainer(smoke_config(tmp_path, rollout={"episodes": "agent"}, agent=agent, **extra), tmp_path)
 
 
 def test_vllm_through_the_proxy_records_mu_and_its_topk_on_generated_tokens(tmp_path, tokenizer, make_tiny_model):
@@ -439,7 +441,7 @@ def test_messages_the_chat_template_cannot_render_are_refused_not_a_server_error
     tok.chat_template = ("{%- for m in messages -%}{%- if m.role == 'tool' -%}{{ raise_exception('no tool role') }}"
                          "{%- endif -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endfor -%}"
                          "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}")
-    proxy = Proxy(settings("two_calls"), max_tokens=128)
+    proxy = Proxy(settings("two_calls", max_tokens=128))
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tok), params())
@@ -457,5 +459,5 @@ def test_a_call_past_its_rows_token_budget_is_refused_and_the_episode_counted_tr
     assert len(rows) == 2
     for r in rows:  # the first call fits; the second ("again" rendered after it) would pass 12 response tokens
         assert r.episode.turns == 1 and r.episode.truncated == 1.0 and r.finish_reason == "length"
-        assert "context_length_exceeded" in r.episode.error or "env.max_tokens" in r.episode.error
+        assert "context_length_exceeded" in r.episode.error or "agent.max_tokens" in r.episode.error
         assert r.episode.refused_calls == 1.0

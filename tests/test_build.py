@@ -121,7 +121,7 @@ def test_with_an_environment_the_task_reward_is_not_used_and_the_run_says_so():
     preset's digit_fraction) is recorded as '' in the resolved config, and the start-up notes name it."""
     from dppo.train.resolve import resolution_notes
 
-    cfg = replace(get_preset("smoke"), env={"name": "feedback"})
+    cfg = replace(get_preset("smoke"), rollout={"episodes": "env"}, env={"name": "feedback"})
     assert cfg.task.reward == "digit_fraction" and resolve_config(cfg).task.reward == ""
     assert resolution_notes(cfg) == ["[dppo] task.reward 'digit_fraction' is not used: environment 'feedback' scores "
                                      "each episode (config.yaml records reward '')"]

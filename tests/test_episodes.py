@@ -278,7 +278,12 @@ def test_bad_environment_settings_fail_before_any_model_loads(tmp_path, monkeypa
                        ({"name": "feedback", "max_turns": 0}, "^env.max_turns: expected >= 1"),
                        ({"name": "feedback", "max_tokens": 4}, "^rollout.max_new_tokens: 6 \\(one turn\\) > env.max_tokens")]:
         with pytest.raises(ValueError, match=match):
-            trainer_module.Trainer(smoke_config(tmp_path, env=env), tmp_path)
+            trainer_module.Trainer(smoke_config(tmp_path, rollout={"episodes": "env"}, env=env), tmp_path)
+    with pytest.raises(ValueError, match=r"^env\.name: rollout\.episodes env needs an environment"):
+        trainer_module.Trainer(smoke_config(tmp_path, rollout={"episodes": "env"}), tmp_path)
+    with pytest.raises(ValueError, match=r"^env\.name: a setting of the env episodes, but the run's episodes are "
+                                         r"'single' \(rollout\.episodes\)$"):
+        smoke_config(tmp_path, env={"name": "feedback"})
 
 
 def test_user_environment_from_a_file_and_the_builtins_are_registered():
@@ -327,7 +332,7 @@ def test_trainer_runs_episodes_in_every_mode_and_mu_is_the_sampling_versions(tmp
     from conftest import smoke_config
     from test_async import _Recording
 
-    cfg = smoke_config(tmp_path, rollout={"dtype": "float32", "max_new_tokens": 4, **MODES[mode]},
+    cfg = smoke_config(tmp_path, rollout={"episodes": "env", "dtype": "float32", "max_new_tokens": 4, **MODES[mode]},
                        env={"name": SCRIPTED, "options": '{"turns": 3}', "max_turns": 3, "max_tokens": 120},
                        train={"threads": 1, "steps": 3, "mini_batches": 1})
     trainer = _Recording(cfg, tmp_path)
@@ -355,7 +360,7 @@ def test_every_trust_region_trains_on_episodes(tmp_path, region):
     from conftest import smoke_config
     from dppo.train.trainer import Trainer
 
-    cfg = smoke_config(tmp_path, rollout={"max_new_tokens": 4}, loss={"trust_region": region, **({"relax_alpha": 0.1} if region == "ppo_clip_relax" else {})},
+    cfg = smoke_config(tmp_path, rollout={"episodes": "env", "max_new_tokens": 4}, loss={"trust_region": region, **({"relax_alpha": 0.1} if region == "ppo_clip_relax" else {})},
                        env={"name": SCRIPTED, "options": '{"turns": 2}', "max_turns": 2, "max_tokens": 80},
                        train={"threads": 1, "steps": 1, "mini_batches": 1, "epochs": 2})
     with Trainer(cfg, tmp_path) as trainer:
@@ -403,7 +408,7 @@ def test_in_flight_updates_episodes_span_versions_and_each_token_names_its_own(t
     from conftest import smoke_config
     from test_async import _Recording
 
-    cfg = smoke_config(tmp_path, rollout={"dtype": "float32", "max_new_tokens": 16, "mode": "async", "max_staleness": 1,
+    cfg = smoke_config(tmp_path, rollout={"episodes": "env", "dtype": "float32", "max_new_tokens": 16, "mode": "async", "max_staleness": 1,
                                           "worker_threads": 1, "worker_timeout_s": 60.0, "in_flight_updates": True},
                        env={"name": SCRIPTED, "options": '{"turns": 4}', "max_turns": 4, "max_tokens": 200},
                        train={"threads": 1, "steps": 4, "mini_batches": 1})
@@ -475,7 +480,7 @@ def test_per_turn_metrics_of_turns_no_episode_reached_are_left_out(tmp_path):
     from conftest import smoke_config
     from dppo.train.trainer import Trainer
 
-    cfg = smoke_config(tmp_path, rollout={"max_new_tokens": 4},
+    cfg = smoke_config(tmp_path, rollout={"episodes": "env", "max_new_tokens": 4},
                        env={"name": SCRIPTED, "options": '{"turns": 2}', "max_turns": 4, "max_tokens": 80},
                        train={"threads": 1, "steps": 1})
     with Trainer(cfg, tmp_path) as trainer:
@@ -505,7 +510,7 @@ def test_success_is_the_environments_verdict_else_reward_1_in_training_and_evalu
     else:
         assert rollouts[0].episode.success == float(verdict)
     assert episode_success(rollouts, torch.tensor([reward])).tolist() == [succeeded]
-    cfg = smoke_config(tmp_path, env={"name": f"{ENVS}:Verdict", "options": options, "max_turns": 1, "max_tokens": 80},
+    cfg = smoke_config(tmp_path, rollout={"episodes": "env"}, env={"name": f"{ENVS}:Verdict", "options": options, "max_turns": 1, "max_tokens": 80},
                        train={"threads": 1, "steps": 1, "mini_batches": 1})
     with Trainer(cfg, tmp_path) as trainer:
         m = trainer.step()
@@ -521,7 +526,7 @@ def test_topk_mismatch_is_reported_per_turn_and_samples_count_mus_cells_per_turn
     from conftest import smoke_config
     from dppo.train.trainer import Trainer
 
-    cfg = smoke_config(tmp_path, rollout={"dtype": "bfloat16", "max_new_tokens": 4}, loss={"trust_region": "dppo_topk_tv"},
+    cfg = smoke_config(tmp_path, rollout={"episodes": "env", "dtype": "bfloat16", "max_new_tokens": 4}, loss={"trust_region": "dppo_topk_tv"},
                        env={"name": SCRIPTED, "options": '{"turns": 3}', "max_turns": 3, "max_tokens": 120},
                        train={"threads": 1, "steps": 1, "mini_batches": 1}, log={"samples_per_step": 4})
     with Trainer(cfg, tmp_path) as trainer:
@@ -547,7 +552,7 @@ def test_evaluation_reports_pass_at_k_per_example():
     from dppo.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = smoke_config(tmp, env={"name": f"{ENVS}:EvenAnswer", "max_turns": 1, "max_tokens": 80},
+        cfg = smoke_config(tmp, rollout={"episodes": "env"}, env={"name": f"{ENVS}:EvenAnswer", "max_turns": 1, "max_tokens": 80},
                            train={"threads": 1, "eval_samples_per_prompt": 8})
         with Trainer(cfg, tmp) as trainer:
             ev = trainer.evaluate()

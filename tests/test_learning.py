@@ -75,7 +75,7 @@ def warm_chat_model(tmp_path_factory):
 def test_dppo_raises_the_reward_of_multi_turn_retries(warm_chat_model, tmp_path):
     """The `feedback` environment (a wrong answer is told to try again, up to 3 turns; reward 0.5^attempt) on the
     warm-started tiny model: DPPO over whole episodes, generated tokens only, raises the training reward."""
-    cfg = replace(learning_config(warm_chat_model, tmp_path), rollout={"dtype": "float32", "max_new_tokens": 4},
+    cfg = replace(learning_config(warm_chat_model, tmp_path), rollout={"episodes": "env", "dtype": "float32", "max_new_tokens": 4},
                   env={"name": "feedback", "max_turns": 3, "max_tokens": 160}, train={"steps": 40, "eval_before": False})
     trainer = Trainer(cfg, tmp_path)
     try:

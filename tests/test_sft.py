@@ -184,7 +184,7 @@ def test_cli_sft_writes_a_model_folder_train_can_start_from(tmp_path, capsys):
     from dppo.runtime.models import ModelSpec, load
 
     out = tmp_path / "sft"
-    rc = main(["sft", "--preset", "smoke", "--env.name", "feedback", "--task.name", "chain_sum", "--task.reward", "",
+    rc = main(["sft", "--preset", "smoke", "--rollout.episodes", "env", "--env.name", "feedback", "--task.name", "chain_sum", "--task.reward", "",
                "--task.options", json.dumps({k: v for k, v in SMALL_SUMS.items() if k not in ("size", "eval_size")}),
                "--task.size", "24", "--task.eval-size", "4", "--out", str(out), "--steps", "2", "--batch-size", "2",
                "--lr", "1e-3", "--log-every", "0"])
@@ -195,7 +195,8 @@ def test_cli_sft_writes_a_model_folder_train_can_start_from(tmp_path, capsys):
     assert info["steps"] == 2 and len(info["losses"]) == 2 and info["env"] == "feedback"
     model, tok, path = load(ModelSpec(str(out)))
     assert path == out and tok.eos_token == "<|im_end|>"
-    assert main(["sft", "--preset", "smoke", "--env.name", "feedback", "--out", str(out)]) == 2  # exists
+    assert main(["sft", "--preset", "smoke", "--rollout.episodes", "env", "--env.name", "feedback", "--out",
+                 str(out)]) == 2  # exists
     assert "already exists" in capsys.readouterr().err
     assert main(["sft", "--preset", "smoke", "--out", str(tmp_path / "other")]) == 2  # no environment
-    assert "env.name" in capsys.readouterr().err
+    assert "rollout.episodes: dppo sft trains on an environment's demonstrations" in capsys.readouterr().err

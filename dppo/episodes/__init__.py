@@ -1,7 +1,7 @@
 """Episodes, token in, token out: every rollout a `RolloutSource` returns is an episode of the run's episode kind.
 
     settings = EPISODE_KINDS[kind](...)                 # the run config's section of that kind (single: none)
-    episodes = settings.episodes(max_new_tokens=..., max_tokens=..., reward=...)   # picklable: workers get it
+    episodes = settings.episodes(max_new_tokens=..., reward=...)   # picklable: workers get it
     rollouts = episodes.collector()(engine, examples, params)   # params.n episodes per example, prompt-major
     episodes.score(examples, rollouts)                  # in the trainer's process: every reward set
     rewards, stats = episode_rewards(rollouts)          # what the trainer and the evaluation read

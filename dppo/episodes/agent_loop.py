@@ -60,11 +60,15 @@ def load_agent(name: str):
 @dataclass(frozen=True)
 class AgentEpisodes:
     """The run's agent episodes (`dppo.rollout.source.Episodes`, picklable: rollout workers receive them; the proxy
-    is started where they run): the `agent` settings, and `max_tokens`, a row's response tokens (env.max_tokens)."""
+    is started where they run): the `agent` settings."""
 
     settings: Any
     """The run config's `agent` section, `dppo.episodes.settings.AgentSettings` (which builds these episodes)."""
-    max_tokens: int
+
+    @property
+    def max_tokens(self) -> int:
+        """A row's response tokens (agent.max_tokens)."""
+        return self.settings.max_tokens
 
     @property
     def max_turns(self) -> int:
@@ -72,7 +76,7 @@ class AgentEpisodes:
         return self.settings.max_turns
 
     def collector(self) -> "AgentCollector":
-        return AgentCollector(self.settings, self.max_tokens)
+        return AgentCollector(self.settings)
 
     def score(self, examples: Sequence, rollouts: list[Rollout]) -> None:
         """Nothing to do: each agent returned (or posted) its episode's reward."""
@@ -90,17 +94,17 @@ class AgentEpisodes:
 class AgentCollector:
     """`collect(engine, examples, params)`: params.n agent episodes per example (module docstring)."""
 
-    def __init__(self, settings, max_tokens: int) -> None:
-        self.settings, self.max_tokens = settings, max_tokens
+    def __init__(self, settings) -> None:
+        self.settings, self.max_tokens = settings, settings.max_tokens
         self.proxy: Proxy | None = None
         self._fn = None
         self._clients = None
 
     def __getstate__(self):
-        return {"settings": self.settings, "max_tokens": self.max_tokens}
+        return {"settings": self.settings}
 
     def __setstate__(self, state) -> None:
-        self.__init__(state["settings"], state["max_tokens"])
+        self.__init__(state["settings"])
 
     def close(self) -> None:
         if self.proxy is not None:
@@ -123,7 +127,7 @@ class AgentCollector:
     def __call__(self, engine, examples: Sequence, params: SamplingParams) -> list[Rollout]:
         if self.proxy is None:
             self._fn = load_agent(self.settings.name)
-            self.proxy = Proxy(self.settings, max_tokens=self.max_tokens)
+            self.proxy = Proxy(self.settings)
             self.proxy.start()
         proxy = self.proxy
         episodes = [proxy.open(p, ex) for p, ex in enumerate(examples) for _ in range(params.n)]

@@ -1,14 +1,14 @@
 """The recording proxy's HTTP side: an OpenAI-compatible endpoint in front of a dppo engine, recording every call.
 
-    proxy = Proxy(agent_settings, max_tokens=...); proxy.start()   # uvicorn in a background thread (FastAPI app)
+    proxy = Proxy(agent_settings); proxy.start()   # uvicorn in a background thread (FastAPI app)
     ep = proxy.open(prompt_index, example)                         # an episode; its base URL: proxy.base_url(ep)
     proxy.begin(engine, params)                                    # a collection starts
     ... agents call /e/<episode key>/v1/chat/completions ...       # (run on proxy.loop)
     proxy.serve(engine, params, active=..., finished=...)          # THIS thread runs the engine until agents finish
     proxy.close_episodes()
 
-The proxy takes the run's `agent` settings (`dppo.episodes.settings.AgentSettings`) as they are, and a row's token
-budget (`max_tokens`, env.max_tokens) and the batch wait as arguments. Endpoints, under each episode's base URL
+The proxy takes the run's `agent` settings (`dppo.episodes.settings.AgentSettings`, a row's token budget
+among them) as they are, and the batch wait as an argument. Endpoints, under each episode's base URL
 `http://<host>:<port>/e/<key>/v1`: `POST chat/completions`, `POST completions`, `GET models`; and
 `POST /e/<key>/reward` (`{"reward": float}`) for an agent that reports its reward instead of returning it. An
 unknown or ended episode gets 404 / 410; a request over `agent.max_request_bytes` 413; more than
@@ -53,10 +53,10 @@ def is_loopback(host: str) -> bool:
 class Proxy:
     """See the module docstring. State: the episodes of the current collection and the calls in flight."""
 
-    def __init__(self, settings, *, max_tokens: int, batch_wait_s: float = 0.2) -> None:
-        """`settings`: the run's `dppo.episodes.settings.AgentSettings`; `max_tokens`: a row's response tokens
-        (env.max_tokens); `batch_wait_s`: the longest wait for the other episodes' calls (`Batcher`)."""
-        self.settings, self.max_tokens = settings, max_tokens
+    def __init__(self, settings, *, batch_wait_s: float = 0.2) -> None:
+        """`settings`: the run's `dppo.episodes.settings.AgentSettings` (a row's response tokens: its max_tokens);
+        `batch_wait_s`: the longest wait for the other episodes' calls (`Batcher`)."""
+        self.settings, self.max_tokens = settings, settings.max_tokens
         self.batcher = Batcher(batch_wait_s)
         self.key = secrets.token_urlsafe(24)
         """The run's key (needed in `Authorization` when the proxy is exposed beyond localhost)."""
@@ -246,7 +246,7 @@ class Proxy:
         if max_new < 1:
             ep.truncated += 1
             raise RequestError(f"this episode's row holds {len(row.tokens.ids) + len(extra)} response tokens, its "
-                               f"budget is {self.max_tokens} (env.max_tokens)", "messages",
+                               f"budget is {self.max_tokens} (agent.max_tokens)", "messages",
                                code="context_length_exceeded")
         row.busy = True
         try:

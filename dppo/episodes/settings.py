@@ -8,10 +8,14 @@ single answer has no settings. Each class gives the trainer what it needs, the s
 
 - `max_turns`: the turns of an episode, the bound of the loss's per-turn units (env.max_turns; an agent's calls,
   agent.max_calls; 1 for a single answer);
-- `episodes(max_new_tokens=..., max_tokens=..., reward=...)`: the run's episodes (`dppo.rollout.source.Episodes`,
-  picklable: rollout workers receive them) from these settings and the run-time values the kind needs;
+- `episodes(max_new_tokens=..., reward=...)`: the run's episodes (`dppo.rollout.source.Episodes`, picklable:
+  rollout workers receive them) from these settings and the run-time values the kind needs;
+- `check_run(max_new_tokens=...)`: what the kind refuses once it is the run's choice (rollout.episodes), beside the
+  rollout's settings (a turn longer than the episode's token budget); `episodes` refuses a kind with nothing to
+  run (no environment or agent named), before any model loads;
 - `scored_by_task`: whether the task's reward scores the episodes (else the environment or the agent does);
-- `torchrun_refusal`: why the kind cannot run under torchrun ('' when it can).
+- `torchrun_refusal`: why the kind cannot run under torchrun ('' when it can);
+- `noun`: what the run's messages call the thing that writes the episodes (environment, agent).
 """
 
 from __future__ import annotations
@@ -53,25 +57,29 @@ class SingleSettings:
 
     scored_by_task: ClassVar[bool] = True
     torchrun_refusal: ClassVar[str] = ""
+    noun: ClassVar[str] = "answer"
 
     @property
     def max_turns(self) -> int:
         return 1
 
-    def episodes(self, *, max_new_tokens: int, max_tokens: int, reward=None) -> SingleAnswer:
+    def check_run(self, *, max_new_tokens: int) -> None:
+        """Nothing to refuse: an answer's length is rollout.max_new_tokens."""
+
+    def episodes(self, *, max_new_tokens: int, reward=None) -> SingleAnswer:
         """The answers (of up to `max_new_tokens` tokens, rollout.max_new_tokens), scored by `reward` (the task's
-        `RewardRunner`; None: episodes that only collect). `max_tokens` is not used."""
+        `RewardRunner`; None: episodes that only collect)."""
         return SingleAnswer(max_new_tokens, reward=reward)
 
 
 @dataclass(frozen=True)
 class EnvSettings:
-    """Multi-turn episodes (docs/agents.md): an environment answers each assistant turn; '' = single-turn responses
-    (each a one-turn episode scored by the task's reward). The episode limits' defaults live here only, checked here
-    once (`dppo.episodes.env_loop` runs the episodes with these settings)."""
+    """Multi-turn episodes (rollout.episodes env; docs/agents.md): an environment answers each assistant turn. The
+    episode limits' defaults live here only, checked here once (`dppo.episodes.env_loop` runs the episodes with these
+    settings)."""
 
     name: str = ""
-    """An environment (calculator, python, feedback) or `module:Class` / `path/to/file.py:Class`; '' = off."""
+    """An environment (calculator, python, feedback) or `module:Class` / `path/to/file.py:Class`."""
     options: str = "{}"
     """JSON object of the environment's options, e.g. '{"max_tool_chars": 500}'."""
     max_turns: int = 4
@@ -84,6 +92,7 @@ class EnvSettings:
 
     scored_by_task: ClassVar[bool] = False
     torchrun_refusal: ClassVar[str] = ""
+    noun: ClassVar[str] = "environment"
 
     def __post_init__(self) -> None:
         _json_object("env.options", self.options)
@@ -97,22 +106,34 @@ class EnvSettings:
     def options_dict(self) -> dict[str, Any]:
         return json.loads(self.options)
 
-    def episodes(self, *, max_new_tokens: int, max_tokens: int, reward=None) -> EnvEpisodes:
+    def check_run(self, *, max_new_tokens: int) -> None:
+        if max_new_tokens > self.max_tokens:
+            _fail("rollout.max_new_tokens", f"{max_new_tokens} (one turn) > env.max_tokens {self.max_tokens} "
+                                            f"(the whole episode)")
+
+    def episodes(self, *, max_new_tokens: int, reward=None) -> EnvEpisodes:
         """The environment's episodes: these settings are all they need (the environment scores each episode)."""
+        if not self.name:
+            _fail("env.name", "rollout.episodes env needs an environment (calculator, python, feedback, "
+                              "module:Class or path/to/file.py:Class)")
         return EnvEpisodes(self)
 
 
 @dataclass(frozen=True)
 class AgentSettings:
-    """An agent written against an OpenAI client, trained through dppo's recording proxy (docs/agents.md, "Bring
-    your own agent"): `agent(client, example) -> reward`; each call's tokens, µ and µ's top-K are recorded and joined
-    into rows (a row's response tokens are capped by env.max_tokens, each call by rollout.max_new_tokens)."""
+    """An agent written against an OpenAI client, trained through dppo's recording proxy (rollout.episodes agent;
+    docs/agents.md, "Bring your own agent"): `agent(client, example) -> reward`; each call's tokens, µ and µ's top-K
+    are recorded and joined into rows (a row's response tokens are capped by max_tokens, each call by
+    rollout.max_new_tokens)."""
 
     name: str = ""
     """The agent function, `module:function` or `path/to/file.py:function` (sync: gets an openai.OpenAI; async:
-    an openai.AsyncOpenAI); '' = off."""
+    an openai.AsyncOpenAI)."""
     max_calls: int = 16
     """Calls per episode; past it a call is refused (the agent sees an OpenAI error)."""
+    max_tokens: int = 256
+    """Response tokens of a row (the calls joined into it, generated and inserted tokens together); a call past it
+    is refused (the agent sees OpenAI's context_length_exceeded) and counted as truncated."""
     timeout_s: float = 120.0
     """Longest an episode may run (its agent, all its calls); past it the episode ends with reward 0, counted."""
     concurrency: int = 0
@@ -128,6 +149,7 @@ class AgentSettings:
     """Requests in flight at once (429 past it)."""
 
     scored_by_task: ClassVar[bool] = False
+    noun: ClassVar[str] = "agent"
     torchrun_refusal: ClassVar[str] = (
         "agent.name: agents under torchrun are not supported (their episodes' rows differ in number between ranks); "
         "run one process, with async rollout workers if needed")
@@ -143,16 +165,26 @@ class AgentSettings:
                   max_concurrent_requests=self.max_concurrent_requests)
         if self.name and ":" not in self.name:
             _fail("agent.name", f"expected 'module:function' or 'path/to/file.py:function', got {self.name!r}")
+        if self.max_tokens < 1:
+            _fail("agent.max_tokens", f"expected >= 1, got {self.max_tokens}")
+
+    def check_run(self, *, max_new_tokens: int) -> None:
+        if max_new_tokens > self.max_tokens:
+            _fail("rollout.max_new_tokens", f"{max_new_tokens} (one call) > agent.max_tokens {self.max_tokens} "
+                                            f"(a row)")
 
     @property
     def max_turns(self) -> int:
         """An agent's turns are its calls: each generated token's turn is the call that sampled it."""
         return self.max_calls
 
-    def episodes(self, *, max_new_tokens: int, max_tokens: int, reward=None) -> AgentEpisodes:
-        """The agent's episodes, each of its rows holding up to `max_tokens` response tokens (env.max_tokens; each
-        call's tokens are capped by the sampling parameters' max_new_tokens). The agent scores each episode."""
-        return AgentEpisodes(self, max_tokens)
+    def episodes(self, *, max_new_tokens: int, reward=None) -> AgentEpisodes:
+        """The agent's episodes, each of its rows holding up to max_tokens response tokens (each call's tokens are
+        capped by the sampling parameters' max_new_tokens). The agent scores each episode."""
+        if not self.name:
+            _fail("agent.name", "rollout.episodes agent needs an agent ('module:function' or "
+                                "'path/to/file.py:function')")
+        return AgentEpisodes(self)
 
 
 EPISODE_KINDS: dict[str, type] = {"single": SingleSettings, "env": EnvSettings, "agent": AgentSettings}

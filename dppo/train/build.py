@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dppo.episodes.settings import EPISODE_KINDS
 from dppo.rewards import RewardRunner
 from dppo.rollout.async_source import AsyncSource
 from dppo.rollout.remote import start_pool
@@ -195,23 +194,16 @@ def build_source(cfg: Config, episodes, *, draw, weights: dict[str, torch.Tensor
                        episodes=episodes)
 
 
-def episode_kind(cfg: Config) -> str:
-    """The run's episode kind (a key of `dppo.episodes.settings.EPISODE_KINDS`): an agent when `agent.name` is set,
-    an environment's episodes when `env.name` is, else a single answer per prompt."""
-    return "agent" if cfg.agent.name else "env" if cfg.env.name else "single"
-
-
 def build_episodes(cfg: Config, task=None):
-    """The run's episodes (`dppo.rollout.source.Episodes`) of its kind (`episode_kind`): the kind's settings (the
+    """The run's episodes (`dppo.rollout.source.Episodes`) of its kind (rollout.episodes): the kind's settings (the
     config section of its name; the single answer has none) with the run-time values every kind is given — the
-    longest answer (rollout.max_new_tokens), a row's response tokens (env.max_tokens) and, for a kind scored by
-    the task, `task`'s reward runner (task None: episodes that only collect)."""
-    kind = episode_kind(cfg)
-    settings = getattr(cfg, kind, None) or EPISODE_KINDS[kind]()
+    longest answer (rollout.max_new_tokens) and, for a kind scored by the task, `task`'s reward runner (task None:
+    episodes that only collect)."""
+    settings = cfg.episode_settings
     if settings.torchrun_refusal and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(settings.torchrun_refusal)
     reward = build_reward_runner(cfg, task) if task is not None and settings.scored_by_task else None
-    return settings.episodes(max_new_tokens=cfg.rollout.max_new_tokens, max_tokens=cfg.env.max_tokens, reward=reward)
+    return settings.episodes(max_new_tokens=cfg.rollout.max_new_tokens, reward=reward)
 
 
 def check_environment(cfg: Config, examples) -> str | None:
@@ -221,5 +213,5 @@ def check_environment(cfg: Config, examples) -> str | None:
     try:
         return build_episodes(cfg).check(examples[0])
     except (TypeError, ValueError, KeyError) as err:
-        field = f"{episode_kind(cfg)}.name"
+        field = f"{cfg.rollout.episodes}.name"
         raise ValueError(str(err) if str(err).startswith(field) else f"{field}: {err}") from err

@@ -21,7 +21,7 @@ import yaml
 
 from dppo._checks import ConfigError
 from dppo.advantages import ADVANTAGES
-from dppo.episodes.settings import AgentSettings, EnvSettings
+from dppo.episodes.settings import EPISODE_KINDS, AgentSettings, EnvSettings
 from dppo.loss_spec import LossSpec, loss_spec
 from dppo.rollout.settings import ENGINES, EngineSettings
 from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk
@@ -80,6 +80,8 @@ class ModelConfig:
 
 EngineKind = Literal[("auto", *ENGINES)]
 """rollout.engine: auto or a name in `dppo.rollout.settings.ENGINES`."""
+EpisodeKind = Literal[tuple(EPISODE_KINDS)]
+"""rollout.episodes: a name in `dppo.episodes.settings.EPISODE_KINDS`."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,10 @@ class _RolloutSettings:
     """Dtype the engine samples in. auto = bfloat16 where it is native (CUDA with bf16; CPUs with avx512_bf16 or
     AMX), float32 otherwise (emulated bf16 is 3-4x slower). bf16 vs an fp32 trainer is a real mismatch; float16
     (never a default) narrows it at the source, with an fp16 trainer most of all."""
+    episodes: EpisodeKind = "single"
+    """What one rollout is: single = one answer per prompt, scored by the task's reward; env = multi-turn episodes
+    with the environment of the `env` section (env.name); agent = an agent's episodes through dppo's recording proxy
+    (the `agent` section). The settings of a kind the run does not use are refused (docs/agents.md)."""
     prompts_per_step: int = 8
     """P: prompts sampled per training step."""
     group_size: int = 8
@@ -186,6 +192,37 @@ RolloutConfig = dataclasses.make_dataclass(
     frozen=True, namespace={"__doc__": _RolloutSettings.__doc__, "__module__": __name__})
 """The `rollout` section: the fields of `_RolloutSettings` plus one node per engine kind, made from the registry
 (adding an engine to `dppo.rollout.settings.ENGINES` adds its node and its `--rollout.<node>.*` flags)."""
+
+
+def check_episodes(cfg) -> None:
+    """ConfigError naming the field for a setting of an episode kind other than rollout.episodes (each kind's
+    settings are the config section of its name, `dppo.episodes.settings.EPISODE_KINDS`, and a section of a kind the
+    run does not use keeps its defaults), and for what the chosen kind's settings refuse beside the rollout
+    (`check_run`: an environment or agent to run, a turn longer than the episode's token budget)."""
+    chosen = cfg.rollout.episodes
+    for kind, settings in EPISODE_KINDS.items():
+        section = getattr(cfg, kind, None)
+        if kind == chosen or section is None or section == settings():
+            continue
+        name = next(f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(settings(), f.name))
+        _fail(f"{kind}.{name}", f"a setting of the {kind} episodes, but the run's episodes are {chosen!r} "
+                                f"(rollout.episodes)")
+    cfg.episode_settings.check_run(max_new_tokens=cfg.rollout.max_new_tokens)
+
+
+def choose(cfg: Config, *, engine: str | None = None, episodes: str | None = None) -> Config:
+    """`cfg` with another engine or episode kind chosen, the settings of the kinds no longer chosen back at their
+    defaults (the command line's `--rollout.engine` / `--rollout.episodes` over a preset or config of another kind
+    start from here). A name that is no kind changes nothing (the command line's parser then names it)."""
+    rollout: dict[str, Any] = {}
+    if engine in ENGINES and engine != cfg.rollout.engine:
+        rollout = {"engine": engine, **{s.node(): s() for k, s in ENGINES.items() if k != engine}}
+    sections = {}
+    if episodes in EPISODE_KINDS and episodes != cfg.rollout.episodes:
+        rollout["episodes"] = episodes
+        sections = {kind: settings() for kind, settings in EPISODE_KINDS.items()
+                    if kind != episodes and hasattr(cfg, kind)}
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout), **sections)
 
 
 def check_engine(rollout, engine: str) -> None:
@@ -519,14 +556,7 @@ class Config:
         if self.rollout.mode == "async" and workers > self.rollout.prompts_per_step:
             _fail("rollout.devices", f"{workers} rollout workers but rollout.prompts_per_step = "
                                      f"{self.rollout.prompts_per_step}: every worker needs at least one prompt per step")
-        if self.env.name and self.rollout.max_new_tokens > self.env.max_tokens:
-            _fail("rollout.max_new_tokens", f"{self.rollout.max_new_tokens} (one turn) > env.max_tokens "
-                                            f"{self.env.max_tokens} (the whole episode)")
-        if self.agent.name and self.env.name:
-            _fail("agent.name", f"an agent and an environment ({self.env.name!r}) both write the episodes; set one")
-        if self.agent.name and self.rollout.max_new_tokens > self.env.max_tokens:
-            _fail("rollout.max_new_tokens", f"{self.rollout.max_new_tokens} (one call) > env.max_tokens "
-                                            f"{self.env.max_tokens} (a row)")
+        check_episodes(self)
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
             _fail("loss.anchor", "drpo has no mask to anchor")
         if self.rollout.vllm_server.lora_sync == "adapter" and not self.model.lora_rank:
@@ -534,6 +564,12 @@ class Config:
         if self.rollout.vllm_server.lora_sync == "adapter" and self.rollout.quantization != "none":
             _fail("rollout.vllm_server.lora_sync", "'adapter' sends no base weights to quantise; use rollout.quantization "
                                                    "none")
+
+    @property
+    def episode_settings(self):
+        """The settings of the run's episode kind (rollout.episodes): its section, or its class's defaults for a kind
+        without one (single)."""
+        return getattr(self, self.rollout.episodes, None) or EPISODE_KINDS[self.rollout.episodes]()
 
     @property
     def top_k_logprobs(self) -> int:
@@ -627,6 +663,12 @@ def check_moved(data: dict[str, Any], source: str) -> None:
     """ConfigError naming each field of `data` that moved (`MOVED`) and its new place."""
     found = [f"{old} is now {new}" for old, new in MOVED.items()
              if old.split(".")[1] in (data.get(old.split(".")[0]) or {})]
+    rollout = data.get("rollout") or {}
+    for kind in ("env", "agent"):  # the episode kind was which of the two sections named something
+        if "episodes" not in rollout and (data.get(kind) or {}).get("name"):
+            found.append(f"{kind}.name chooses nothing now: the episode kind is rollout.episodes ({kind})")
+    if "episodes" not in rollout and (data.get("agent") or {}).get("name") and "max_tokens" in (data.get("env") or {}):
+        found.append("env.max_tokens (an agent's row) is now agent.max_tokens")
     if found:
         raise ConfigError(f"{found[0].split()[0]}: {source} was written by an older dppo; edit it: "
                           + "; ".join(found))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from dppo.train.config import Config, replace
+from dppo.train.config import Config, choose, replace
 
 CHAIN_SUM_EASY = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'
 
@@ -71,7 +71,8 @@ def calculator() -> Config:
     return replace(
         Config(),
         model={"dtype": "float32", "precision": "fp32"},
-        rollout={"engine": "hf", "dtype": "float32", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 56},
+        rollout={"engine": "hf", "dtype": "float32", "episodes": "env", "prompts_per_step": 4, "group_size": 4,
+                 "max_new_tokens": 56},
         task={"name": "chain_sum", "options": CHAIN_SUM_TOOLS, "size": 400, "eval_size": 32},
         env={"name": "calculator", "max_turns": 3, "max_tokens": 160},
         optim={"lr": 2e-5},
@@ -88,8 +89,8 @@ def calculator_agent() -> Config:
     """The calculator preset with the environment written as an OpenAI-client agent
     (`dppo.episodes.examples.calculator:solve`: the same prompt, tool schema and scoring), trained through the
     recording proxy; the same warm start serves it (`dppo sft --preset calculator`)."""
-    return replace(calculator(), env={"name": ""},
-                   agent={"name": "dppo.episodes.examples.calculator:solve", "max_calls": 3})
+    return replace(choose(calculator(), episodes="agent"),
+                   agent={"name": "dppo.episodes.examples.calculator:solve", "max_calls": 3, "max_tokens": 160})
 
 
 def feedback() -> Config:

@@ -83,7 +83,7 @@ def resolve_config(cfg: Config) -> Config:
     check_engine(cfg.rollout, engine.value)
     precision, _ = resolve_precision(cfg)
     cfg = replace(absolute_paths(cfg, Path.cwd()), model={"precision": precision.value})
-    if cfg.env.name or cfg.agent.name:  # the environment / agent scores each episode: task.reward is not used
+    if not cfg.episode_settings.scored_by_task:  # the environment / agent scores each episode: task.reward unused
         cfg = replace(cfg, task={"reward": ""})
     return replace(cfg, rollout={"engine": engine.value, "dtype": dtype.value, "top_k_logprobs": cfg.top_k_logprobs},
                    loss=cfg.loss.spec().to_dict())
@@ -102,10 +102,8 @@ def announce_rollout(cfg: Config, announce, *, training: bool = False) -> None:
 
 def resolution_notes(requested: Config) -> list[str]:
     """What resolving `requested` set aside that its user should hear at start (the trainer prints each line)."""
-    if requested.env.name and requested.task.reward:
-        return [f"[dppo] task.reward {requested.task.reward!r} is not used: environment {requested.env.name!r} "
-                f"scores each episode (config.yaml records reward '')"]
-    if requested.agent.name and requested.task.reward:
-        return [f"[dppo] task.reward {requested.task.reward!r} is not used: agent {requested.agent.name!r} "
-                f"scores each episode (config.yaml records reward '')"]
-    return []
+    settings = requested.episode_settings
+    if settings.scored_by_task or not requested.task.reward:
+        return []
+    return [f"[dppo] task.reward {requested.task.reward!r} is not used: {settings.noun} {settings.name!r} scores "
+            f"each episode (config.yaml records reward '')"]

@@ -115,6 +115,7 @@ def sanity_config(study: SanityConfig, model_dir: str | Path, run_dir: str | Pat
         Config(),
         model={"name": str(model_dir), "dtype": "float32", "precision": "fp32"},  # on every CPU: the lag is the mismatch
         rollout={"engine": "hf", "dtype": s.engine_dtype, "quantization": s.quantization, "engine_lag": s.engine_lag,
+                 "episodes": "single" if s.env == "none" else "env",
                  "prompts_per_step": s.prompts_per_step, "group_size": s.group_size,
                  "max_new_tokens": s.max_new_tokens},  # top-K: recorded where the region needs it
         task={"name": s.task, "options": json.dumps(s.options), "size": s.size, "eval_size": s.eval_size,
