@@ -14,13 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from dppo.cli import parse_config
 from dppo.divergence import binary_kl, topk_kl, topk_tv
 from dppo.losses import AGGREGATIONS, TokenInputs, loss_spec, policy_loss
 from dppo.sequence_mask import unit_index
-from dppo.train.config import Config, ConfigError, replace
-from dppo.trust_region import (TRUST_REGIONS, all_params, cppo, dppo_binary_kl, dppo_binary_tv, dppo_topk_tv, ppo_clip,
-                               ppo_clip_relax, regions_taking)
+from dppo.trust_region import (TRUST_REGIONS, cppo, dppo_binary_kl, dppo_binary_tv, dppo_topk_tv, ppo_clip,
+                               ppo_clip_relax)
 
 F64 = torch.float64
 PROPS = settings(max_examples=40, deadline=None)
@@ -429,46 +427,3 @@ def test_recompute_anchor_masks_against_old_logp_but_weights_by_pi_over_mu(name)
     r = (pi / mu)[0]  # 5.5 and 1.0: the weight is π/µ under both anchors
     assert_close(grads["rollout"], torch.tensor([[0.0, -r[1] * 2.0 / 2]], dtype=F64))
     assert_close(grads["recompute"], torch.tensor([[-r[0] * 2.0 / 2, 0.0]], dtype=F64))
-
-
-# ------------------------------------------------------------------------------------------------
-# A region's own parameters, and only its own
-# ------------------------------------------------------------------------------------------------
-
-OTHER_VALUE = {**REQUIRED, "relax_side": "low"}
-"""A valid value for each parameter given to a region that does not take it (else the parameter's default)."""
-
-
-def test_a_parameter_of_another_trust_region_is_a_config_error_naming_the_regions_that_take_it(capsys):
-    """`--loss.eps-high 0.3` under DPPO-Binary-TV would change nothing: refused when the config is built, naming the
-    field, the region's own parameters and the regions that take it."""
-    with pytest.raises(ConfigError, match=r"^loss\.eps_high: not a parameter of trust region 'dppo_binary_tv' \(which "
-                                          r"takes delta_low, delta_high\); it is taken by ppo_clip, ppo_clip_relax, "
-                                          r"token_mis, gspo$"):
-        replace(Config(), loss={"trust_region": "dppo_binary_tv", "eps_high": 0.3})
-    # the command line, before any model is loaded: the flag named on the error line, the reason above it (tyro's)
-    with pytest.raises(ConfigError, match=r"^command line: could not parse --loss\.eps-high 0\.3"):
-        parse_config(["--preset", "smoke", "--loss.eps-high", "0.3"], prog="dppo train")
-    err = " ".join(capsys.readouterr().err.replace("│", " ").replace("|", " ").split())  # tyro's box, wrapped
-    assert "loss.eps_high: not a parameter of trust region 'dppo_binary_tv'" in err
-    with pytest.raises(ValueError, match=r"^delta_low: not a parameter of trust region 'none' \(which takes no "
-                                         r"parameter\); it is taken by dppo_binary_tv, dppo_binary_kl, "):
-        loss_spec(trust_region="none", delta_low=0.1)
-
-
-@pytest.mark.parametrize("name", REGIONS)
-def test_a_region_takes_its_own_parameters_and_refuses_every_other(name):
-    """Each region's parameters given explicitly are accepted (library and config alike) and survive the config.yaml
-    round trip of a run (`resolve_config` records `spec().to_dict()`, which a resume reads back); every parameter
-    only other regions take is refused, naming the region."""
-    own = region_params(name)
-    spec = loss_spec(trust_region=name, **own)
-    assert dict(spec.params) == own
-    cfg = replace(Config(), loss={"trust_region": name, **own})
-    assert cfg.loss.spec() == spec
-    assert replace(Config(), loss=spec.to_dict()).loss.spec() == spec
-    for other, param in all_params().items():
-        if other not in own:
-            with pytest.raises(ValueError, match=rf"^{other}: not a parameter of trust region '{name}'.*; it is "
-                                                 rf"taken by {', '.join(regions_taking(other))}$"):
-                loss_spec(trust_region=name, **own, **{other: OTHER_VALUE.get(other, param.default)})
