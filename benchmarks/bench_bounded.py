@@ -11,7 +11,7 @@ the old `submit`, patched in for its turns):
   after a torch matmul (the intra-op threads still spinning);
 - `feedback env`: the generation phase of multi-turn training steps on the tiny model (`dppo.train.Trainer`, the
   `feedback` environment: a wrong answer is told to try again, up to 3 turns; `--episodes` episodes a step, the hf
-  engine in float32, the tiny model warm-started as tests/test_learning.py's feedback test does): the median of the
+  engine in float32, the tiny model warm-started as tests/train/test_learning.py's feedback test does): the median of the
   steps' `perf/generation_s`; the same seeds each run, so both ways sample the same tokens.
 
     nice .venv/bin/python benchmarks/bench_bounded.py [--calls 256] [--episodes 256] [--steps 4] [--repeats 3]
@@ -77,7 +77,7 @@ def trivial_calls(n: int, after_matmul: bool):
 
 def feedback_steps(episodes: int, steps: int):
     """`steps` training steps of the feedback environment (episodes x up to 3 turns) on the warm tiny model, as
-    tests/test_learning.py's feedback test runs them (hf engine, float32); returns the median generation seconds."""
+    tests/train/test_learning.py's feedback test runs them (hf engine, float32); returns the median generation seconds."""
     import json
     import tempfile
     from pathlib import Path

@@ -12,7 +12,7 @@ environment offers a `calculate` tool. The run is exactly the commands docs/agen
 Checks (the former unit test's assertions, now this benchmark's `checks`): pass@1 after RL beats the warm start's
 and the no-tools base model's by 0.25 each, and the tool errors per episode fall. Fixed seeds. Prints a table, then
 one JSON line. Measured on a 2-core AMD EPYC Zen 3 (AVX2), fp32: 18 min 15 s in all (docs/agents.md "Results").
-The unit test `tests/test_agent_learning.py` checks the same pipeline on a tiny model in a few minutes.
+The unit test `tests/episodes/test_agent_learning.py` checks the same pipeline on a tiny model in a few minutes.
 
     nice .venv/bin/python benchmarks/bench_calculator_learning.py                  # ~18 min on 2 free cores
     nice .venv/bin/python benchmarks/bench_calculator_learning.py --steps 1 --eval-size 2 --sft-steps 1   # ~3 min

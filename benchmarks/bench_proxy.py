@@ -3,7 +3,7 @@ through the proxy (`dppo.episodes.agent_loop`), same engine, same seeds, in one 
 
 The loop (`Loop` / `agent` below): `--turns` assistant turns, each reply but the last answered by a tool message.
 Both sides generate the same tokens (the proxy batches the agents' concurrent calls in the environment's order, so
-a batch is the one the environment's episodes make; tests/test_agents.py checks the rows are identical), so the
+a batch is the one the environment's episodes make; tests/episodes/test_agent_loop.py checks the rows are identical), so the
 difference is the proxy: HTTP through the OpenAI client, request checks, chat-template rendering of each call,
 the join into rows. Repeats alternate between the two sides; medians. Prints a table, then one JSON line.
 

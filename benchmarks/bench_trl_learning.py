@@ -5,7 +5,7 @@ GRPOTrainer loop, fp32 on 2 threads. Check (the former slow unit test's, now thi
 training reward of the last 4 of 10 steps beats the first 4's by 0.1. Measured, seeds 0 and 1 (first 4 -> last 4):
 0.15 -> 0.50 and 0.10 -> 0.38; the rise starts after 4-5 steps (5 steps once stayed flat; lr 5e-5 collapsed the
 entropy, 2.3 -> 0.7 in 5 steps). ~5 min on 2 free cores (25 s per step after a slower first). The unit test
-`tests/test_integration_trl.py::test_dppo_trainer_raises_the_reward_of_a_warm_started_model` checks that
+`tests/integrations/test_trl.py::test_dppo_trainer_raises_the_reward_of_a_warm_started_model` checks that
 DPPOTrainer learns on a warm-started tiny model in seconds.
 
     nice .venv/bin/python benchmarks/bench_trl_learning.py                # 10 steps, seed 0, ~5 min

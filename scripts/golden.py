@@ -89,7 +89,7 @@ RUNS = {
 
 
 def _trl_one_step(tmp: Path) -> dict:
-    """The TRL adapter's one-step run of tests/test_integration_trl.py (its `make_trainer` settings)."""
+    """The TRL adapter's one-step run of tests/integrations/test_trl.py (its `make_trainer` settings)."""
     import warnings
 
     import torch

@@ -49,8 +49,8 @@ if [[ "$CPU" == 1 ]]; then
                     [bench]=60)
     declare -A FLOOR=([setup]=10 [env]=10 [gpu_tests]=15 [cuda_tests]=20 [vllm_tests]=30 [distributed]=0 [demo]=30
                       [bench]=15)
-    DEFAULT_TESTS="tests/test_logprobs.py tests/test_scoring.py"
-    DEFAULT_VLLM_TESTS="tests/test_rollout_vllm.py"
+    DEFAULT_TESTS="tests/test_logprobs.py tests/train/test_scoring.py"
+    DEFAULT_VLLM_TESTS="tests/rollout/test_vllm.py"
     DEMO=(--preset smoke --train.steps 5)
     BENCH=(--device cpu --vocab 4096 --n-tokens 256 --hidden 64 --dtype fp32 bf16 --cache-mb 0 --reps 2)
 else
@@ -62,11 +62,11 @@ else
                       [bench]=45)
     # test_trainer and test_hardware reach CUDA (model.device auto; the real device's bf16); test_logprobs,
     # test_scoring and test_losses build their tensors on the CPU: the CUDA wheel's CPU kernels, cheap
-    DEFAULT_TESTS="tests/test_trainer.py tests/test_hardware.py tests/test_logprobs.py tests/test_scoring.py
+    DEFAULT_TESTS="tests/train/test_trainer.py tests/runtime/test_hardware.py tests/test_logprobs.py tests/train/test_scoring.py
                    tests/test_losses.py"
     # test_rollout_server: vLLM's server on the GPU (its fast tests: µ vs an fp32 forward, weight sync through the
     # RL API, a partial rollout under pause keep/abort); the server's start is most of it
-    DEFAULT_VLLM_TESTS="tests/test_rollout_vllm.py tests/test_trainer_vllm.py tests/test_rollout_server.py"
+    DEFAULT_VLLM_TESTS="tests/rollout/test_vllm.py tests/train/test_trainer_vllm.py tests/rollout/test_server_engine.py"
     DEMO=(--preset demo --train.steps 5 --rollout.engine vllm --rollout.dtype bfloat16)
     BENCH=(--device cuda --vocab 151936 --dtype fp32 bf16 --cache-mb 0 --reps 5)
     if [[ "$N_GPUS" -lt 1 ]]; then
@@ -205,7 +205,7 @@ if [[ $CPU == 1 ]]; then
 elif ((N_GPUS < 2)); then
     skip_phase distributed "needs >= 2 GPUs ($N_GPUS listed): under torchrun each rank takes cuda:LOCAL_RANK"
 else
-    run_phase distributed "${PYTEST[@]}" --junitxml "$OUT/junit-distributed.xml" tests/test_distributed.py
+    run_phase distributed "${PYTEST[@]}" --junitxml "$OUT/junit-distributed.xml" tests/train/test_distributed.py
 fi
 
 # 6. demo steps ----------------------------------------------------------------------------------------------

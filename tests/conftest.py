@@ -73,7 +73,8 @@ def launcher_env(extra=None) -> dict[str, str]:
     """This process's environment without torchrun's and the fault injector's variables; one thread, loopback."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DPPO_FAULT_INJECT")}
-    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)})
+    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})  # (a test file run as a script)
     env.update(extra or {})
     return env
 

@@ -4,7 +4,7 @@ A strategy decides where a reward call runs (the calling thread, a daemon thread
 call past the limit is stopped. It records each item in `Outcomes` (`result` for a value or an error,
 `timeout` for a call past the limit); RewardRunner turns the outcomes into the rewards tensor and the stats,
 and checks them for NaN/inf. A new isolation is one class following `Strategy` plus one entry in
-`dppo.rewards.runner.ISOLATION`; the shared tests in tests/test_rewards.py are parametrised over that registry.
+`dppo.rewards.runner.ISOLATION`; the shared tests in tests/rewards/test_rewards.py are parametrised over that registry.
 """
 
 from __future__ import annotations

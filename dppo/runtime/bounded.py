@@ -14,7 +14,7 @@ The threads are pooled: a finished call's thread waits, idle, for the next call 
 call costs a queue hand-off, not a thread start. A new `threading.Thread` waits for the thread to run before
 `start()` returns; an episode step hands 256 environment calls over at once, and that handshake, each one a GIL
 hand-off, was half of a multi-turn step on the tiny model with both cores busy (11.4 of 24.4 s over 6 steps of
-`tests/test_learning.py`'s feedback run, profiled). An abandoned call's thread rejoins the pool when its call
+`tests/train/test_learning.py`'s feedback run, profiled). An abandoned call's thread rejoins the pool when its call
 returns. A forked child starts with an empty pool (the parent's threads do not exist there).
 """
 

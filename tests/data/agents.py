@@ -1,4 +1,4 @@
-"""Agents for tests/test_agents.py, loaded by file path as a user's are (`path/to/agents.py:name`)."""
+"""Agents for tests/episodes/test_agent_loop.py, loaded by file path as a user's are (`path/to/agents.py:name`)."""
 
 import json
 import time

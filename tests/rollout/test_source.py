@@ -1,7 +1,7 @@
 """dppo.rollout.source: every source stamps the published version that sampled each rollout, `take` checks the
 staleness bound in one place, and what `take` and `generate` return is scored by the run's environment. The engine
 and the environment here are stand-ins that record what they were given (the source is under test, not the engine
-nor the episodes); the real engines and environments go through the same source in tests/test_trainer.py,
+nor the episodes); the real engines and environments go through the same source in tests/train/test_trainer.py,
 test_fp8_lag.py, test_episodes.py and test_async.py."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from dppo.rollout.hf import HFEngine
 from dppo.train.batch import collate
 from dppo.train.scoring import score_responses, score_responses_reference
 
-ENVS = Path(__file__).parent / "data" / "scripted_env.py"
+ENVS = Path(__file__).resolve().parents[1] / "data" / "scripted_env.py"
 SCRIPTED = f"{ENVS}:Scripted"
 EXAMPLES = [Example(prompt=({"role": "user", "content": "2+3?"},), answer="5"),
             Example(prompt=({"role": "system", "content": "Be brief."}, {"role": "user", "content": "17*3?"}), answer="51")]
@@ -330,7 +330,7 @@ def test_trainer_runs_episodes_in_every_mode_and_mu_is_the_sampling_versions(tmp
     """µ on every generated token equals the fp32 distribution of the published version that sampled it, in sync,
     lagged and async modes; environment tokens are outside the loss; the step reports the per-turn metrics."""
     from conftest import smoke_config
-    from test_async import _Recording
+    from test_async_source import _Recording
 
     cfg = smoke_config(tmp_path, rollout={"episodes": "env", "dtype": "float32", "max_new_tokens": 4, **MODES[mode]},
                        env={"name": SCRIPTED, "options": '{"turns": 3}', "max_turns": 3, "max_tokens": 120},
@@ -406,7 +406,7 @@ def test_in_flight_updates_episodes_span_versions_and_each_token_names_its_own(t
     turns of an episode may be sampled by newer weights; µ of each generated token is that of the version it names,
     and the episode counts as old as its oldest token."""
     from conftest import smoke_config
-    from test_async import _Recording
+    from test_async_source import _Recording
 
     cfg = smoke_config(tmp_path, rollout={"episodes": "env", "dtype": "float32", "max_new_tokens": 16, "mode": "async", "max_staleness": 1,
                                           "worker_threads": 1, "worker_timeout_s": 60.0, "in_flight_updates": True},

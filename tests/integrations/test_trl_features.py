@@ -15,8 +15,8 @@ import torch
 
 from dppo.losses import TokenInputs, loss_spec, policy_loss
 from dppo.trust_region import TRUST_REGIONS
-from test_integration_trl import dataset, integ, make_trainer  # noqa: F401 - fixtures
-from test_integration_trl import (LAGS, NON_DEFAULT, REGIONS, grads, group_inputs, needs_trl, plain_scaled_logits, reward_fn,
+from test_trl import dataset, integ, make_trainer  # noqa: F401 - fixtures
+from test_trl import (LAGS, NON_DEFAULT, REGIONS, grads, group_inputs, needs_trl, plain_scaled_logits, reward_fn,
                                   synthetic_batch)
 
 pytestmark = [needs_trl, pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -195,7 +195,7 @@ def test_filter_and_off_policy_mask_match_trl_in_every_region(make_trainer, regi
     logp, _, _ = plain_logp_and_entropy(trainer.model, out, trainer.temperature)
     with torch.no_grad():
         if TRUST_REGIONS[region].needs_topk:
-            from test_integration_trl import reference_loss
+            from test_trl import reference_loss
 
             _, stats = reference_loss(trainer.model, out, region, trainer.temperature, aggregation="token-mean",
                                       **trainer._spec.params)

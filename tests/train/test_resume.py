@@ -27,7 +27,7 @@ def _run(args, env_extra=None, timeout=180):
     env = {k: v for k, v in os.environ.items() if k != "DPPO_FAULT_INJECT"}
     env.update({"OMP_NUM_THREADS": "1", **(env_extra or {})})
     return subprocess.run([sys.executable, "-m", "dppo.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=Path(__file__).resolve().parents[1])
+                          timeout=timeout, cwd=Path(__file__).resolve().parents[2])
 
 
 def _metrics(run: Path) -> list[dict]:

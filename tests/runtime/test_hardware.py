@@ -153,7 +153,7 @@ def test_a_config_written_before_the_registry_fields_loads_once_its_moved_fields
 
     import yaml
 
-    old = Path(__file__).parent / "data" / "config_before_registry.yaml"
+    old = Path(__file__).resolve().parents[1] / "data" / "config_before_registry.yaml"
     with pytest.raises(ConfigError, match=r"^model\.autocast_bf16: .*config_before_registry.yaml was written by an "
                                           r"older dppo; edit it: model\.autocast_bf16 is now model\.precision .*; "
                                           r"rollout\.vllm_kv_cache_gb is now rollout\.vllm\.kv_cache_gb .*; "

@@ -6,7 +6,7 @@
 - A failing rank (non-finite reward, engine exception, killed process) fails every rank, non-zero, no hang.
 - Bad input: world size not dividing rollout.prompts_per_step, configs that differ between ranks, no rendezvous.
 
-This file is also the per-rank worker of the equality and engine-failure tests (`python tests/test_distributed.py`).
+This file is also the per-rank worker of the equality and engine-failure tests (`python tests/train/test_distributed.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import free_port as _free_port, launch_ranks as _launch, launcher_env as _env, torchrun as _torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 QUIET = ["--log.no-progress", "--log.no-tensorboard", "--train.no-eval-before"]
 

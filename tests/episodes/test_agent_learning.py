@@ -14,7 +14,7 @@ tool's messages (environment tokens, not trained); pass@1 with tools after RL be
 (measured 0.55 vs 0). Fixed seeds. Not checked here: that RL raises the reward of tool episodes. On this model it
 does not within a test's budget (the training reward stays near the warm start's 0.5 over 20 steps at lr 1e-4; at
 5e-4 it drops), and the held-out tool errors fell 0.25 -> 0 with the advantage zeroed too (sampling, not learning).
-That DPPO raises an episode reward is `tests/test_learning.py`'s feedback test; raising pass@1 with tools on a model
+That DPPO raises an episode reward is `tests/train/test_learning.py`'s feedback test; raising pass@1 with tools on a model
 that needs them is the benchmark below.
 
 The long form, SmolLM2-135M on 4-5 three-digit terms the model cannot add in its head (18 min on 2 cores):

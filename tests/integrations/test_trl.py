@@ -580,7 +580,7 @@ def test_masked_fractions_when_pushed_past_delta(make_trainer):
 def test_example_script_runs_on_the_tiny_model(tmp_path):
     """examples/trl_dppo.py as the docs run it, on its default tiny model for 2 steps: a reward per step, the
     trust-region metric logged (the SmolLM2 run that learns is benchmarks/bench_trl_learning.py)."""
-    path = Path(__file__).parents[1] / "examples" / "trl_dppo.py"
+    path = Path(__file__).parents[2] / "examples" / "trl_dppo.py"
     spec = importlib.util.spec_from_file_location("trl_dppo_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
@@ -602,7 +602,7 @@ def exact_answer(completions, answer, **kwargs) -> list[float]:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_dppo_trainer_raises_the_reward_of_a_warm_started_model(tmp_path, seed):
     """DPPOTrainer inside TRL's loop learns: the tiny model warm-started on one-digit addition (`dppo.studies.sft`,
-    60 steps, as tests/test_learning.py), then 80 DPPO-Binary-TV steps of 32 prompts x 8 (lr 3e-4, fp32, 4 new
+    60 steps, as tests/train/test_learning.py), then 80 DPPO-Binary-TV steps of 32 prompts x 8 (lr 3e-4, fp32, 4 new
     tokens); the mean training reward of the last 10 steps beats the first 10's by 0.12.
 
     Measured (first 10 -> last 10), seeds 0, 1, 2: 0.28 -> 0.59, 0.32 -> 0.54, 0.32 -> 0.56; ~11 s a run on one

@@ -104,7 +104,7 @@ def test_an_agent_through_the_proxy_on_the_server_engine_records_mu_and_its_topk
     from dppo.train.batch import collate
     from dppo.train.scoring import score_responses_reference
 
-    agent = f"{Path(__file__).parent / 'data' / 'agents.py'}:scripted"
+    agent = f"{Path(__file__).resolve().parents[1] / 'data' / 'agents.py'}:scripted"
     collector = AgentSettings(name=agent, max_tokens=200).episodes(max_new_tokens=6).collector()
     try:
         rows = collector(engine, [Example(prompt=({"role": "user", "content": "2+3?"},), answer="5")],

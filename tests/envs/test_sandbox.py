@@ -23,7 +23,7 @@ from dppo.envs.sandbox import Limits, SandboxResult, available_layers, describe_
 LAYERS = available_layers()
 NS_LAYERS = [name for name in ("bwrap", "unshare") if name in LAYERS]
 FAST = Limits(wall_s=5.0, cpu_s=1.0, memory_mb=256, processes=8)
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 needs_bwrap = pytest.mark.skipif("bwrap" not in LAYERS, reason="bubblewrap is not usable here")
 
 

@@ -22,7 +22,7 @@ from dppo.train.presets import get_preset
 from dppo.train.trainer import Trainer
 from conftest import smoke_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(run_dir, **train):

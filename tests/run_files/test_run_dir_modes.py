@@ -4,13 +4,13 @@ one-line RunDirError (or is killed), nothing is left running (no rollout worker,
 the space is back ends as an uninterrupted run of the same kind: the same per-step rewards and final weights,
 each step logged once.
 
-The full disk is injected as in tests/test_run_dir.py, at the writer's own write calls (`run_dir._write` for the
+The full disk is injected as in tests/run_files/test_run_dir.py, at the writer's own write calls (`run_dir._write` for the
 JSONL appends, `run_dir._open` for every other file): in process through `dppo.cli.main` for async runs (the
 rollout workers write nothing to the run directory), and in rank 0 of a torchrun job by this file's `__main__`
 (the per-rank entry point), since only rank 0 writes the run directory. Every run uses the hf engine in float32
 and one thread per process, the conditions under which a run is bitwise reproducible (docs/cli.md).
 
-This file is also the per-rank entry point of the torchrun test (`python tests/test_run_dir_modes.py ...`).
+This file is also the per-rank entry point of the torchrun test (`python tests/run_files/test_run_dir_modes.py ...`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dppo.run_files.checkpoint import load_checkpoint
 from dppo.run_files.run_dir import complete_checkpoints
 from conftest import launch_ranks as _launch, torchrun as _torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 QUIET = ["--train.no-eval-before", "--log.no-progress", "--log.no-tensorboard", "--no-hf"]
 ARGS = ["--preset", "smoke", "--train.steps", str(STEPS), "--train.checkpoint-every", "1",
@@ -126,7 +126,7 @@ def _assert_like_the_reference(run: Path, reference: Path) -> None:
 @pytest.fixture(scope="module")
 def async_reference(tmp_path_factory) -> Path:
     """An uninterrupted async run with max_staleness 0: every batch is sampled by the weights that train on it,
-    so the run is deterministic (it equals the sync run, tests/test_async.py)."""
+    so the run is deterministic (it equals the sync run, tests/rollout/test_async_source.py)."""
     run = tmp_path_factory.mktemp("async_reference") / "run"
     assert main(["train", *ASYNC, "--rollout.max-staleness", "0", "--run-dir", str(run)]) == 0
     return run

@@ -31,7 +31,7 @@ from dppo.rollout.hf import HFEngine
 from dppo.train.batch import collate, minibatches
 from dppo.train.scoring import score_responses_reference
 
-AGENTS = Path(__file__).parent / "data" / "agents.py"
+AGENTS = Path(__file__).resolve().parents[1] / "data" / "agents.py"
 EXAMPLES = [Example(prompt=({"role": "user", "content": "2+3?"},), answer="5"),
             Example(prompt=({"role": "user", "content": "17*3?"},), answer="51")]
 K = 4
@@ -121,7 +121,7 @@ def test_concurrent_agents_calls_are_batched_into_one_engine_call_per_round(mode
 def test_an_agent_makes_exactly_the_rows_of_the_same_loop_as_an_environment(model, tokenizer):
     """The Scripted environment's loop as an agent: same engine, same seed, so the same samples — and the proxy's
     rows are the environment's episodes token for token (ids, masks, turns, versions), µ and µ's top-K included."""
-    env = EnvSettings(f"{Path(__file__).parent / 'data' / 'scripted_env.py'}:Scripted", '{"turns": 3}', max_turns=3,
+    env = EnvSettings(f"{Path(__file__).resolve().parents[1] / 'data' / 'scripted_env.py'}:Scripted", '{"turns": 3}', max_turns=3,
                       max_tokens=1000)
     p = params(n=3)
     envs = EnvCollector(env)(HFEngine(model, tokenizer), EXAMPLES, p)
@@ -304,8 +304,8 @@ def test_the_trainer_trains_on_agent_rows_in_every_mode_and_mu_is_the_sampling_v
     """Through the proxy (in the trainer's process, or in an async rollout worker's), µ on every generated token is
     the fp32 distribution of the published version that sampled it; the inserted tokens are not trained."""
     from conftest import smoke_config
-    from test_async import _Recording
-    from test_episodes import check_mu_is_the_sampling_versions
+    from test_async_source import _Recording
+    from test_env_loop import check_mu_is_the_sampling_versions
 
     cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:scripted", "max_tokens": 120},
                        rollout={"episodes": "agent", "engine": "hf", "dtype": "float32", "max_new_tokens": 4, **MODES[mode]},

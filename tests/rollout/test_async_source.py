@@ -28,7 +28,7 @@ from dppo.train.scoring import score_responses_reference
 from dppo.train.trainer import Trainer
 from conftest import VLLM_MARKS, smoke_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cfg(tmp_path, *, mode="async", steps=4, **rollout):

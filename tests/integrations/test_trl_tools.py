@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from test_integration_trl import integ, needs_trl, plain_scaled_logits  # noqa: F401 - integ is a fixture
+from test_trl import integ, needs_trl, plain_scaled_logits  # noqa: F401 - integ is a fixture
 
 pytestmark = [needs_trl, pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),
