@@ -42,7 +42,8 @@ def main() -> None:
     args = p.parse_args()
 
     from dppo.cli import main as dppo
-    from dppo.train.config import choose, replace
+    from dppo.train.config import replace
+    from dppo.train.kinds import choose
     from dppo.train.evaluation import evaluate_checkpoint
     from dppo.train.presets import get_preset
     from dppo.train.trainer import Trainer

@@ -4,12 +4,37 @@ the adapters (`dppo.integrations`) can raise and catch it without importing the 
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch import Tensor
 
 
 class ConfigError(ValueError):
     """An invalid configuration value; the message starts with the field's dotted name."""
+
+
+def config_fail(field_name: str, message: str) -> None:
+    """Raise ConfigError "<field>: <message>" (the config sections' and component settings' one way to refuse)."""
+    raise ConfigError(f"{field_name}: {message}")
+
+
+def config_positive(section: str, **values: float) -> None:
+    """ConfigError naming `section.<name>` for a value (not None) that is not > 0."""
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            config_fail(f"{section}.{name}", f"expected > 0, got {value!r}")
+
+
+def config_json_object(name: str, text: str) -> dict:
+    """`text` parsed as a JSON object; ConfigError naming the field otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{name}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        config_fail(name, f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def check_tensor(name: str, x, *, floating: bool = False, dtype: torch.dtype | None = None) -> None:

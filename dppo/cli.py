@@ -48,7 +48,8 @@ from dppo.run_files.run_dir import JsonlWriter, RunDirError, checkpoint_path, co
 from dppo.studies.diagnose.cli import cmd_diagnose as diagnose_command
 from dppo.studies.sanity import cmd_sanity as sanity_command
 from dppo.train.build import build_model, build_task, check_environment
-from dppo.train.config import Config, ConfigError, choose, replace
+from dppo.train.config import Config, ConfigError, replace
+from dppo.train.kinds import choose
 from dppo.train.distributed import DistributedError, world_from_env
 from dppo.train.evaluation import evaluate_checkpoints, load_checkpoint_weights
 from dppo.train.plot import plot_runs

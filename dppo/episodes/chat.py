@@ -57,11 +57,6 @@ class ChatCodec:
         """The ids of `SYNTHETIC`, without the generation prompt."""
         return self.render(SYNTHETIC, generation_prompt=False)
 
-    @property
-    def boundary(self) -> list[int]:
-        """The template's tokens after an assistant message's stop token (ChatML: the newline)."""
-        return self._boundary(self.base)
-
     def _check_append_only(self) -> None:
         if self.eos not in self.base:
             raise ValueError("tokenizer: its chat template does not end an assistant message with the EOS token "
@@ -101,14 +96,15 @@ class ChatCodec:
                              "appended; token-in-token-out episodes need a template that only appends")
         return out
 
-    def _boundary(self, base: list[int]) -> list[int]:
+    def boundary(self, base: list[int]) -> list[int]:
+        """The template's tokens after the last assistant stop token of `base` (ChatML: the newline)."""
         ends = [i for i, t in enumerate(base) if t == self.eos]
         return base[ends[-1] + 1:] if ends else []
 
     def _tail(self, base: list[int], full: list[int], stopped: bool) -> list[int] | None:
         if full[:len(base)] != base:
             return None
-        return ([] if stopped else [self.eos]) + self._boundary(base) + full[len(base):]
+        return ([] if stopped else [self.eos]) + self.boundary(base) + full[len(base):]
 
 
 def hermes_text(message: dict) -> str:

@@ -24,31 +24,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dppo._checks import ConfigError
+from dppo._checks import config_fail, config_json_object, config_positive
 from dppo.episodes.agent_loop import AgentEpisodes
 from dppo.episodes.env_loop import EnvEpisodes
 from dppo.episodes.single import SingleAnswer
-
-
-def _fail(field_name: str, message: str) -> None:
-    raise ConfigError(f"{field_name}: {message}")
-
-
-def _positive(section: str, **values: float) -> None:
-    for name, value in values.items():
-        if value is not None and not value > 0:
-            _fail(f"{section}.{name}", f"expected > 0, got {value!r}")
-
-
-def _json_object(name: str, text: str) -> dict[str, Any]:
-    """`text` parsed as a JSON object; ConfigError naming the field otherwise."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{name}: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        _fail(name, f"expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -95,12 +74,12 @@ class EnvSettings:
     noun: ClassVar[str] = "environment"
 
     def __post_init__(self) -> None:
-        _json_object("env.options", self.options)
+        config_json_object("env.options", self.options)
         if self.max_turns < 1:
-            _fail("env.max_turns", f"expected >= 1, got {self.max_turns}")
+            config_fail("env.max_turns", f"expected >= 1, got {self.max_turns}")
         if self.max_tokens < 1:
-            _fail("env.max_tokens", f"expected >= 1, got {self.max_tokens}")
-        _positive("env", timeout_s=self.timeout_s)
+            config_fail("env.max_tokens", f"expected >= 1, got {self.max_tokens}")
+        config_positive("env", timeout_s=self.timeout_s)
 
     @property
     def options_dict(self) -> dict[str, Any]:
@@ -108,13 +87,13 @@ class EnvSettings:
 
     def check_run(self, *, max_new_tokens: int) -> None:
         if max_new_tokens > self.max_tokens:
-            _fail("rollout.max_new_tokens", f"{max_new_tokens} (one turn) > env.max_tokens {self.max_tokens} "
+            config_fail("rollout.max_new_tokens", f"{max_new_tokens} (one turn) > env.max_tokens {self.max_tokens} "
                                             f"(the whole episode)")
 
     def episodes(self, *, max_new_tokens: int, reward=None) -> EnvEpisodes:
         """The environment's episodes: these settings are all they need (the environment scores each episode)."""
         if not self.name:
-            _fail("env.name", "rollout.episodes env needs an environment (calculator, python, feedback, "
+            config_fail("env.name", "rollout.episodes env needs an environment (calculator, python, feedback, "
                               "module:Class or path/to/file.py:Class)")
         return EnvEpisodes(self)
 
@@ -156,21 +135,21 @@ class AgentSettings:
 
     def __post_init__(self) -> None:
         if self.max_calls < 1:
-            _fail("agent.max_calls", f"expected >= 1, got {self.max_calls}")
+            config_fail("agent.max_calls", f"expected >= 1, got {self.max_calls}")
         if self.concurrency < 0:
-            _fail("agent.concurrency", f"expected >= 0, got {self.concurrency}")
+            config_fail("agent.concurrency", f"expected >= 0, got {self.concurrency}")
         if not 0 <= self.port <= 65535:
-            _fail("agent.port", f"expected 0..65535, got {self.port}")
-        _positive("agent", timeout_s=self.timeout_s, max_request_bytes=self.max_request_bytes,
+            config_fail("agent.port", f"expected 0..65535, got {self.port}")
+        config_positive("agent", timeout_s=self.timeout_s, max_request_bytes=self.max_request_bytes,
                   max_concurrent_requests=self.max_concurrent_requests)
         if self.name and ":" not in self.name:
-            _fail("agent.name", f"expected 'module:function' or 'path/to/file.py:function', got {self.name!r}")
+            config_fail("agent.name", f"expected 'module:function' or 'path/to/file.py:function', got {self.name!r}")
         if self.max_tokens < 1:
-            _fail("agent.max_tokens", f"expected >= 1, got {self.max_tokens}")
+            config_fail("agent.max_tokens", f"expected >= 1, got {self.max_tokens}")
 
     def check_run(self, *, max_new_tokens: int) -> None:
         if max_new_tokens > self.max_tokens:
-            _fail("rollout.max_new_tokens", f"{max_new_tokens} (one call) > agent.max_tokens {self.max_tokens} "
+            config_fail("rollout.max_new_tokens", f"{max_new_tokens} (one call) > agent.max_tokens {self.max_tokens} "
                                             f"(a row)")
 
     @property
@@ -182,7 +161,7 @@ class AgentSettings:
         """The agent's episodes, each of its rows holding up to max_tokens response tokens (each call's tokens are
         capped by the sampling parameters' max_new_tokens). The agent scores each episode."""
         if not self.name:
-            _fail("agent.name", "rollout.episodes agent needs an agent ('module:function' or "
+            config_fail("agent.name", "rollout.episodes agent needs an agent ('module:function' or "
                                 "'path/to/file.py:function')")
         return AgentEpisodes(self)
 

@@ -235,13 +235,3 @@ class Engine(Protocol):
     def close(self) -> None:
         """Free the engine's resources."""
         ...
-
-
-ENGINE_METHODS = ("generate", "enable_prefix_cache", "load_weights", "close")
-"""The methods of the `Engine` protocol."""
-
-
-def missing_engine_methods(cls: type) -> list[str]:
-    """The `Engine` protocol's methods that engine class `cls` does not define (the one conformance check of a
-    registered engine; callers never probe an engine for a method)."""
-    return [name for name in ENGINE_METHODS if not callable(getattr(cls, name, None))]

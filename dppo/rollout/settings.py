@@ -20,11 +20,7 @@ import shlex
 from dataclasses import dataclass, fields
 from typing import ClassVar, Literal
 
-from dppo._checks import ConfigError
-
-
-def _fail(field_name: str, message: str) -> None:
-    raise ConfigError(f"{field_name}: {message}")
+from dppo._checks import config_fail
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,7 @@ class EngineSettings:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-                _fail(f"rollout.{self.node()}.{f.name}", f"expected >= 0, got {value}")
+                config_fail(f"rollout.{self.node()}.{f.name}", f"expected >= 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -96,9 +92,9 @@ class VLLMSettings(EngineSettings):
 
     def __post_init__(self) -> None:
         if not self.kv_cache_gb > 0:
-            _fail("rollout.vllm.kv_cache_gb", f"expected > 0, got {self.kv_cache_gb}")
+            config_fail("rollout.vllm.kv_cache_gb", f"expected > 0, got {self.kv_cache_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            _fail("rollout.vllm.gpu_memory_utilization", f"expected in (0, 1], got {self.gpu_memory_utilization}")
+            config_fail("rollout.vllm.gpu_memory_utilization", f"expected in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -135,23 +131,23 @@ class VLLMServerSettings(EngineSettings):
 
     def __post_init__(self) -> None:
         if self.servers < 1:
-            _fail("rollout.vllm_server.servers", f"expected >= 1, got {self.servers}")
+            config_fail("rollout.vllm_server.servers", f"expected >= 1, got {self.servers}")
         if self.urls and self.servers != 1:
-            _fail("rollout.vllm_server.servers", "dppo starts servers only without rollout.vllm_server.urls "
+            config_fail("rollout.vllm_server.servers", "dppo starts servers only without rollout.vllm_server.urls "
                                                  "(one engine per URL list)")
         for url in self.url_list:
             if not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", url):
-                _fail("rollout.vllm_server.urls", f"{url!r} is not a server URL (expected http://host:port)")
+                config_fail("rollout.vllm_server.urls", f"{url!r} is not a server URL (expected http://host:port)")
         for name, valid in (("partial", ("keep", "abort")), ("lora_sync", ("merged", "adapter"))):
             if getattr(self, name) not in valid:
-                _fail(f"rollout.vllm_server.{name}", f"expected one of {', '.join(valid)}, got {getattr(self, name)!r}")
+                config_fail(f"rollout.vllm_server.{name}", f"expected one of {', '.join(valid)}, got {getattr(self, name)!r}")
         for name in ("timeout_s", "kv_cache_gb"):
             if not getattr(self, name) > 0:
-                _fail(f"rollout.vllm_server.{name}", f"expected > 0, got {getattr(self, name)}")
+                config_fail(f"rollout.vllm_server.{name}", f"expected > 0, got {getattr(self, name)}")
         try:
             shlex.split(self.args)
         except ValueError as exc:
-            _fail("rollout.vllm_server.args", f"not shell syntax ({exc})")
+            config_fail("rollout.vllm_server.args", f"not shell syntax ({exc})")
 
     @property
     def url_list(self) -> list[str]:

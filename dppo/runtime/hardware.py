@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import platform
 from typing import NamedTuple
 
 import torch
@@ -58,17 +57,6 @@ def cpu_flags() -> frozenset[str]:
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
-
-
-def cpu_name() -> str:
-    """The CPU model name, for the messages and the README's measurements."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def native_bf16(device: torch.device, *, flags: frozenset[str] | None = None,

@@ -19,24 +19,15 @@ from typing import Any, Literal
 
 import yaml
 
-from dppo._checks import ConfigError
+from dppo._checks import ConfigError, config_fail, config_json_object, config_positive
 from dppo.advantages import ADVANTAGES
 from dppo.episodes.settings import EPISODE_KINDS, AgentSettings, EnvSettings
 from dppo.loss_spec import LossSpec, loss_spec
-from dppo.rollout.settings import ENGINES, EngineSettings
+from dppo.rollout.settings import ENGINES
+from dppo.train.kinds import check_engine, check_episodes
+from dppo.train.moved_fields import check_moved
 from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk
 from dppo.run_files.logger import TRACKERS, check_tracker_installed
-
-
-
-def _fail(field_name: str, message: str) -> None:
-    raise ConfigError(f"{field_name}: {message}")
-
-
-def _positive(section: str, **values: float) -> None:
-    for name, value in values.items():
-        if value is not None and not value > 0:
-            _fail(f"{section}.{name}", f"expected > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -69,13 +60,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.name:
-            _fail("model.name", "expected a built-in name or a model folder, got ''")
+            config_fail("model.name", "expected a built-in name or a model folder, got ''")
         if self.dtype == "bfloat16" and self.precision in ("fp32", "fp16"):
-            _fail("model.precision", f"{self.precision} needs float32 master weights, but model.dtype is bfloat16 "
+            config_fail("model.precision", f"{self.precision} needs float32 master weights, but model.dtype is bfloat16 "
                                      f"(the trainer then computes in bf16: use model.precision auto or bf16)")
         if self.lora_rank < 0:
-            _fail("model.lora_rank", f"expected >= 0, got {self.lora_rank}")
-        _positive("model", lora_alpha=self.lora_alpha, tiny_hidden=self.tiny_hidden, tiny_layers=self.tiny_layers)
+            config_fail("model.lora_rank", f"expected >= 0, got {self.lora_rank}")
+        config_positive("model", lora_alpha=self.lora_alpha, tiny_hidden=self.tiny_hidden, tiny_layers=self.tiny_layers)
 
 
 EngineKind = Literal[("auto", *ENGINES)]
@@ -149,37 +140,32 @@ class _RolloutSettings:
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens"):
             if getattr(self, name) < 1:
-                _fail(f"rollout.{name}", f"expected >= 1, got {getattr(self, name)}")
-        _positive("rollout", temperature=self.temperature)
+                config_fail(f"rollout.{name}", f"expected >= 1, got {getattr(self, name)}")
+        config_positive("rollout", temperature=self.temperature)
         if self.engine_lag < 0:
-            _fail("rollout.engine_lag", f"expected >= 0, got {self.engine_lag}")
+            config_fail("rollout.engine_lag", f"expected >= 0, got {self.engine_lag}")
         if self.max_staleness < 0:
-            _fail("rollout.max_staleness", f"expected >= 0, got {self.max_staleness}")
+            config_fail("rollout.max_staleness", f"expected >= 0, got {self.max_staleness}")
         if self.worker_threads < 0:
-            _fail("rollout.worker_threads", f"expected >= 0, got {self.worker_threads}")
-        _positive("rollout", worker_timeout_s=self.worker_timeout_s)
+            config_fail("rollout.worker_threads", f"expected >= 0, got {self.worker_threads}")
+        config_positive("rollout", worker_timeout_s=self.worker_timeout_s)
         if self.mode == "async" and self.engine_lag:
-            _fail("rollout.engine_lag", "is the synchronous stand-in for staleness; with rollout.mode async use "
+            config_fail("rollout.engine_lag", "is the synchronous stand-in for staleness; with rollout.mode async use "
                                         "rollout.max_staleness")
         if self.in_flight_updates and (self.backend != "local" or self.quantization != "none"):
-            _fail("rollout.in_flight_updates", "needs rollout.backend local and rollout.quantization none")
+            config_fail("rollout.in_flight_updates", "needs rollout.backend local and rollout.quantization none")
         if self.engine != "auto":
             check_engine(self, self.engine)
         for name in ("devices", "backend", "ray_address", "in_flight_updates"):
             if self.mode == "sync" and getattr(self, name) != getattr(RolloutConfig, name):
-                _fail(f"rollout.{name}", "needs rollout.mode async")
+                config_fail(f"rollout.{name}", "needs rollout.mode async")
         for device in self.device_list:
             if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-                _fail("rollout.devices", f"{device!r} is not a device (expected cpu, cuda or cuda:N, comma-separated)")
+                config_fail("rollout.devices", f"{device!r} is not a device (expected cpu, cuda or cuda:N, comma-separated)")
         if self.hf.fp8_activations and self.quantization != "fp8":
-            _fail("rollout.hf.fp8_activations", "needs rollout.quantization fp8")
+            config_fail("rollout.hf.fp8_activations", "needs rollout.quantization fp8")
         if self.top_k_logprobs is not None and self.top_k_logprobs < 0:
-            _fail("rollout.top_k_logprobs", f"expected >= 0, got {self.top_k_logprobs}")
-
-    @property
-    def engine_settings(self) -> EngineSettings:
-        """The chosen engine's settings (its node); rollout.engine must be resolved (not auto)."""
-        return getattr(self, ENGINES[self.engine].node())
+            config_fail("rollout.top_k_logprobs", f"expected >= 0, got {self.top_k_logprobs}")
 
     @property
     def device_list(self) -> list[str]:
@@ -192,68 +178,6 @@ RolloutConfig = dataclasses.make_dataclass(
     frozen=True, namespace={"__doc__": _RolloutSettings.__doc__, "__module__": __name__})
 """The `rollout` section: the fields of `_RolloutSettings` plus one node per engine kind, made from the registry
 (adding an engine to `dppo.rollout.settings.ENGINES` adds its node and its `--rollout.<node>.*` flags)."""
-
-
-def check_episodes(cfg) -> None:
-    """ConfigError naming the field for a setting of an episode kind other than rollout.episodes (each kind's
-    settings are the config section of its name, `dppo.episodes.settings.EPISODE_KINDS`, and a section of a kind the
-    run does not use keeps its defaults), and for what the chosen kind's settings refuse beside the rollout
-    (`check_run`: an environment or agent to run, a turn longer than the episode's token budget)."""
-    chosen = cfg.rollout.episodes
-    for kind, settings in EPISODE_KINDS.items():
-        section = getattr(cfg, kind, None)
-        if kind == chosen or section is None or section == settings():
-            continue
-        name = next(f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(settings(), f.name))
-        _fail(f"{kind}.{name}", f"a setting of the {kind} episodes, but the run's episodes are {chosen!r} "
-                                f"(rollout.episodes)")
-    cfg.episode_settings.check_run(max_new_tokens=cfg.rollout.max_new_tokens)
-
-
-def choose(cfg: Config, *, engine: str | None = None, episodes: str | None = None) -> Config:
-    """`cfg` with another engine or episode kind chosen, the settings of the kinds no longer chosen back at their
-    defaults (the command line's `--rollout.engine` / `--rollout.episodes` over a preset or config of another kind
-    start from here). A name that is no kind changes nothing (the command line's parser then names it)."""
-    rollout: dict[str, Any] = {}
-    if engine in ENGINES and engine != cfg.rollout.engine:
-        rollout = {"engine": engine, **{s.node(): s() for k, s in ENGINES.items() if k != engine}}
-    sections = {}
-    if episodes in EPISODE_KINDS and episodes != cfg.rollout.episodes:
-        rollout["episodes"] = episodes
-        sections = {kind: settings() for kind, settings in EPISODE_KINDS.items()
-                    if kind != episodes and hasattr(cfg, kind)}
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout), **sections)
-
-
-def check_engine(rollout, engine: str) -> None:
-    """ConfigError naming the field for what `engine` (a resolved kind) cannot do, read from its settings class
-    (in-flight updates; async rollouts need an engine that receives weights), and for a setting of another engine:
-    each engine's settings live in its own node, and a node of an engine the run does not use keeps its defaults."""
-    settings = ENGINES[engine]
-    if rollout.in_flight_updates and not settings.can_update_in_flight:
-        can = ", ".join(k for k, s in ENGINES.items() if s.can_update_in_flight)
-        _fail("rollout.in_flight_updates", f"the {engine} engine cannot update in flight ({can} can)")
-    if rollout.mode == "async" and not settings.can_receive_weights:
-        _fail("rollout.engine", f"{engine!r} cannot receive weights, which rollout.mode async needs after every "
-                                f"optimiser step")
-    for kind, settings in ENGINES.items():
-        node = getattr(rollout, settings.node())
-        if kind == engine or node == settings():
-            continue
-        name = next(f.name for f in dataclasses.fields(node) if getattr(node, f.name) != getattr(settings(), f.name))
-        _fail(f"rollout.{settings.node()}.{name}", f"a setting of the {kind} engine, but the run's engine is "
-                                                   f"{engine!r} (rollout.engine)")
-
-
-def _json_object(name: str, text: str) -> dict[str, Any]:
-    """`text` parsed as a JSON object; ConfigError naming the field otherwise."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{name}: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        _fail(name, f"expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -283,12 +207,12 @@ class TaskConfig:
     """Optional system message for chat-formatted prompts."""
 
     def __post_init__(self) -> None:
-        _json_object("task.options", self.options)
+        config_json_object("task.options", self.options)
         if self.size < 1:
-            _fail("task.size", f"expected >= 1, got {self.size}")
+            config_fail("task.size", f"expected >= 1, got {self.size}")
         if self.eval_size < 0:
-            _fail("task.eval_size", f"expected >= 0, got {self.eval_size}")
-        _positive("task", reward_timeout_s=self.reward_timeout_s)
+            config_fail("task.eval_size", f"expected >= 0, got {self.eval_size}")
+        config_positive("task", reward_timeout_s=self.reward_timeout_s)
 
     @property
     def options_dict(self) -> dict[str, Any]:
@@ -378,8 +302,8 @@ class AdvantageConfig:
 
     def __post_init__(self) -> None:
         if self.estimator not in ADVANTAGES:
-            _fail("advantage.estimator", f"unknown {self.estimator!r}; valid: {', '.join(ADVANTAGES)}")
-        _positive("advantage", eps=self.eps)
+            config_fail("advantage.estimator", f"unknown {self.estimator!r}; valid: {', '.join(ADVANTAGES)}")
+        config_positive("advantage", eps=self.eps)
 
 
 @dataclass(frozen=True)
@@ -400,16 +324,16 @@ class OptimConfig:
     """Max global gradient norm (0 = no clipping)."""
 
     def __post_init__(self) -> None:
-        _positive("optim", lr=self.lr)
+        config_positive("optim", lr=self.lr)
         if self.weight_decay < 0:
-            _fail("optim.weight_decay", f"expected >= 0, got {self.weight_decay}")
+            config_fail("optim.weight_decay", f"expected >= 0, got {self.weight_decay}")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
-                _fail(f"optim.{name}", f"expected in [0, 1), got {getattr(self, name)}")
+                config_fail(f"optim.{name}", f"expected in [0, 1), got {getattr(self, name)}")
         if self.warmup_steps < 0:
-            _fail("optim.warmup_steps", f"expected >= 0, got {self.warmup_steps}")
+            config_fail("optim.warmup_steps", f"expected >= 0, got {self.warmup_steps}")
         if self.grad_clip < 0:
-            _fail("optim.grad_clip", f"expected >= 0, got {self.grad_clip}")
+            config_fail("optim.grad_clip", f"expected >= 0, got {self.grad_clip}")
 
 
 @dataclass(frozen=True)
@@ -460,15 +384,15 @@ class TrainConfig:
         for name in ("steps", "epochs", "mini_batches", "micro_batch_size", "keep_checkpoints", "eval_samples_per_prompt",
                      "max_consecutive_skips"):
             if getattr(self, name) < 1:
-                _fail(f"train.{name}", f"expected >= 1, got {getattr(self, name)}")
+                config_fail(f"train.{name}", f"expected >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "checkpoint_every", "threads"):
             if getattr(self, name) < 0:
-                _fail(f"train.{name}", f"expected >= 0, got {getattr(self, name)}")
-        _positive("train", eval_temperature=self.eval_temperature, dist_timeout_s=self.dist_timeout_s)
+                config_fail(f"train.{name}", f"expected >= 0, got {getattr(self, name)}")
+        config_positive("train", eval_temperature=self.eval_temperature, dist_timeout_s=self.dist_timeout_s)
         if self.scoring_layout not in ("auto", "packed", "shared"):
-            _fail("train.scoring_layout", f"unknown {self.scoring_layout!r}; valid: auto, packed, shared")
+            config_fail("train.scoring_layout", f"unknown {self.scoring_layout!r}; valid: auto, packed, shared")
         if self.distributed not in ("ddp", "fsdp2"):
-            _fail("train.distributed", f"unknown {self.distributed!r}; valid: ddp, fsdp2")
+            config_fail("train.distributed", f"unknown {self.distributed!r}; valid: ddp, fsdp2")
 
 
 @dataclass(frozen=True)
@@ -505,17 +429,17 @@ class LogConfig:
         object.__setattr__(self, "report_to", report_to)  # a single name (TRL accepts a str) becomes a tuple
         for name in report_to:
             if name not in (*TRACKERS, "none"):
-                _fail("log.report_to", f"unknown tracker {name!r}; valid: {', '.join(TRACKERS)}, none")
+                config_fail("log.report_to", f"unknown tracker {name!r}; valid: {', '.join(TRACKERS)}, none")
         if len(set(report_to)) != len(report_to):
-            _fail("log.report_to", f"a tracker is listed twice: {', '.join(report_to)}")
+            config_fail("log.report_to", f"a tracker is listed twice: {', '.join(report_to)}")
         if "none" in report_to and len(report_to) > 1:
-            _fail("log.report_to", f"'none' cannot be combined with other trackers, got {', '.join(report_to)}")
+            config_fail("log.report_to", f"'none' cannot be combined with other trackers, got {', '.join(report_to)}")
         if not self.project:
-            _fail("log.project", "expected a project name, got ''")
+            config_fail("log.project", "expected a project name, got ''")
         for name in self.trackers:
             problem = check_tracker_installed(name)
             if problem:
-                _fail("log.report_to", problem)
+                config_fail("log.report_to", problem)
 
     @property
     def trackers(self) -> tuple[str, ...]:
@@ -541,28 +465,28 @@ class Config:
 
     def __post_init__(self) -> None:
         if needs_topk(self.loss.trust_region) and self.top_k_logprobs < 1:
-            _fail("rollout.top_k_logprobs", f"trust region {self.loss.trust_region!r} needs µ's top-K log-probs: "
+            config_fail("rollout.top_k_logprobs", f"trust region {self.loss.trust_region!r} needs µ's top-K log-probs: "
                                             f"set >= 1 (or leave it unset for {DEFAULT_TOP_K})")
         if self.model.gradient_checkpointing and self.train.scoring_layout == "shared":
-            _fail("train.scoring_layout", "'shared' needs the prompts' KV cache, which checkpointed layers do not "
+            config_fail("train.scoring_layout", "'shared' needs the prompts' KV cache, which checkpointed layers do not "
                                           "keep (model.gradient_checkpointing); use 'packed' or 'auto'")
         if self.advantage.estimator != "group_mean_batch_std" and self.rollout.group_size < 2:
-            _fail("rollout.group_size", f"advantage {self.advantage.estimator!r} needs >= 2 responses per prompt")
+            config_fail("rollout.group_size", f"advantage {self.advantage.estimator!r} needs >= 2 responses per prompt")
         if self.train.mini_batches > self.rollout.prompts_per_step:
-            _fail("train.mini_batches", f"{self.train.mini_batches} mini-batches > {self.rollout.prompts_per_step} prompts per step")
+            config_fail("train.mini_batches", f"{self.train.mini_batches} mini-batches > {self.rollout.prompts_per_step} prompts per step")
         if self.rollout.prompts_per_step % self.train.mini_batches:
-            _fail("train.mini_batches", f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (groups stay whole)")
+            config_fail("train.mini_batches", f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (groups stay whole)")
         workers = max(1, len(self.rollout.device_list))
         if self.rollout.mode == "async" and workers > self.rollout.prompts_per_step:
-            _fail("rollout.devices", f"{workers} rollout workers but rollout.prompts_per_step = "
+            config_fail("rollout.devices", f"{workers} rollout workers but rollout.prompts_per_step = "
                                      f"{self.rollout.prompts_per_step}: every worker needs at least one prompt per step")
         check_episodes(self)
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
-            _fail("loss.anchor", "drpo has no mask to anchor")
+            config_fail("loss.anchor", "drpo has no mask to anchor")
         if self.rollout.vllm_server.lora_sync == "adapter" and not self.model.lora_rank:
-            _fail("rollout.vllm_server.lora_sync", "'adapter' needs a LoRA run (model.lora_rank > 0)")
+            config_fail("rollout.vllm_server.lora_sync", "'adapter' needs a LoRA run (model.lora_rank > 0)")
         if self.rollout.vllm_server.lora_sync == "adapter" and self.rollout.quantization != "none":
-            _fail("rollout.vllm_server.lora_sync", "'adapter' sends no base weights to quantise; use rollout.quantization "
+            config_fail("rollout.vllm_server.lora_sync", "'adapter' sends no base weights to quantise; use rollout.quantization "
                                                    "none")
 
     @property
@@ -638,40 +562,6 @@ def _section(section_cls, name: str, values: dict[str, Any], source: str):
         elif value == "inf":
             values[key] = math.inf
     return section_cls(**values)
-
-
-MOVED = {
-    "model.autocast_bf16": "model.precision (true: bf16, false: fp32)",
-    "rollout.hf_max_batch_rows": "rollout.hf.max_batch_rows",
-    "rollout.fp8_activations": "rollout.hf.fp8_activations",
-    "rollout.vllm_kv_cache_gb": "rollout.vllm.kv_cache_gb (engine vllm) or rollout.vllm_server.kv_cache_gb "
-                                "(engine vllm-server)",
-    "rollout.vllm_gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
-    "rollout.servers": "rollout.vllm_server.servers",
-    "rollout.server_urls": "rollout.vllm_server.urls",
-    "rollout.server_partial": "rollout.vllm_server.partial",
-    "rollout.server_timeout_s": "rollout.vllm_server.timeout_s",
-    "rollout.server_args": "rollout.vllm_server.args",
-    "rollout.server_weights_dir": "rollout.vllm_server.weights_dir",
-    "rollout.lora_sync": "rollout.vllm_server.lora_sync",
-}
-"""Fields of a config.yaml written by an older dppo -> where each lives now (issue 48: each engine's settings in its
-own node). Such a file is refused before any model loads, naming every moved field and its new place."""
-
-
-def check_moved(data: dict[str, Any], source: str) -> None:
-    """ConfigError naming each field of `data` that moved (`MOVED`) and its new place."""
-    found = [f"{old} is now {new}" for old, new in MOVED.items()
-             if old.split(".")[1] in (data.get(old.split(".")[0]) or {})]
-    rollout = data.get("rollout") or {}
-    for kind in ("env", "agent"):  # the episode kind was which of the two sections named something
-        if "episodes" not in rollout and (data.get(kind) or {}).get("name"):
-            found.append(f"{kind}.name chooses nothing now: the episode kind is rollout.episodes ({kind})")
-    if "episodes" not in rollout and (data.get("agent") or {}).get("name") and "max_tokens" in (data.get("env") or {}):
-        found.append("env.max_tokens (an agent's row) is now agent.max_tokens")
-    if found:
-        raise ConfigError(f"{found[0].split()[0]}: {source} was written by an older dppo; edit it: "
-                          + "; ".join(found))
 
 
 def _plain(value):

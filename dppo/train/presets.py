@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from dppo.train.config import Config, choose, replace
+from dppo.train.config import Config, replace
+from dppo.train.kinds import choose
 
 CHAIN_SUM_EASY = '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}'
 

@@ -30,7 +30,8 @@ import pytest
 from dppo.cli import main
 from dppo.runtime.models import CHATML_TEMPLATE, char_tokenizer, tiny_random_model
 from dppo.train.sft import save_model
-from dppo.train.config import choose, replace
+from dppo.train.config import replace
+from dppo.train.kinds import choose
 from dppo.train.evaluation import evaluate_checkpoint
 from dppo.train.presets import get_preset
 from dppo.train.trainer import Trainer

@@ -70,7 +70,8 @@ def plain(tiny_model, tokenizer):
 
 
 def test_ids_are_the_chat_templates_transcript_and_only_sampled_tokens_are_trained(episodes, tokenizer):
-    assert tokenizer.decode(ChatCodec(tokenizer).boundary) == "\n"
+    codec = ChatCodec(tokenizer)
+    assert tokenizer.decode(codec.boundary(codec.base)) == "\n"
     assert len(episodes) == 4 and [r.prompt_index for r in episodes] == [0, 0, 1, 1]
     cut = 0
     for r in episodes:

@@ -376,12 +376,20 @@ def test_smollm2_chat_generation_and_fp32_parity():
         assert (logp.gather(-1, r.rollout_topk_ids[:, :20]) - r.rollout_topk_logp[:, :20]).abs().max() <= 1e-4
 
 
+ENGINE_METHODS = tuple(n for n, v in vars(Engine).items() if callable(v) and not n.startswith("_"))
+"""The methods of the `Engine` protocol (`dppo.rollout.base.Engine`)."""
+
+
+def missing_engine_methods(cls: type) -> list[str]:
+    """The `Engine` protocol's methods that engine class `cls` does not define (callers never probe an engine)."""
+    return [name for name in ENGINE_METHODS if not callable(getattr(cls, name, None))]
+
+
 @pytest.mark.parametrize("name", sorted(ENGINES))
 def test_every_engine_declares_the_protocols_optional_capabilities(name):
     """Callers never probe an engine for a method: every registered engine defines all of the protocol's
     (`enable_prefix_cache` a no-op where there is no such cache) and `between_chunks` (None = no in-flight updates)."""
     from dppo.rollout import engine_class
-    from dppo.rollout.base import ENGINE_METHODS, missing_engine_methods
 
     if name == "vllm":
         pytest.importorskip("vllm")
@@ -393,7 +401,6 @@ def test_every_engine_declares_the_protocols_optional_capabilities(name):
 
 
 def test_the_fp8_wrapper_passes_the_capabilities_to_the_engine_it_wraps(tiny_model, tokenizer):
-    from dppo.rollout.base import missing_engine_methods
     from dppo.rollout.quantize import QuantizedEngine
 
     inner = HFEngine(tiny_model, tokenizer)

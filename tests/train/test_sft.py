@@ -38,7 +38,7 @@ def _expected_text(tok, env, example) -> str:
 def _check_layout(tok, name, examples):
     factory = make_environment(name)
     delta = ChatCodec(tok)
-    boundary = tok.decode(delta.boundary)
+    boundary = tok.decode(delta.boundary(delta.base))
     for ex in examples[:4]:
         env = factory()
         t = build_transcript(tok, env, ex, delta=delta, name=name)
@@ -81,7 +81,7 @@ def test_environment_tokens_are_the_episode_runners(tokenizer, examples):
     delta = ChatCodec(tokenizer)
     first = tokenizer.encode(demo[0]["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
     env_ids = delta.append([demo[1]])
-    assert env_ids[:len(delta.boundary)] == delta.boundary
+    assert env_ids[:len(delta.boundary(delta.base))] == delta.boundary(delta.base)
     assert t.response_ids[: len(first) + len(env_ids)] == first + env_ids
     assert t.loss_mask[: len(first) + len(env_ids)] == [True] * len(first) + [False] * len(env_ids)
 

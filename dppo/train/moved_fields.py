@@ -1,0 +1,43 @@
+"""The fields a config.yaml written by an older dppo holds that now live elsewhere: such a file is refused before any
+model loads, naming each moved field and its new place (no silent migration: the user edits the file once, as the
+message says, and `--resume` goes on)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dppo._checks import ConfigError
+
+
+MOVED = {
+    "model.autocast_bf16": "model.precision (true: bf16, false: fp32)",
+    "rollout.hf_max_batch_rows": "rollout.hf.max_batch_rows",
+    "rollout.fp8_activations": "rollout.hf.fp8_activations",
+    "rollout.vllm_kv_cache_gb": "rollout.vllm.kv_cache_gb (engine vllm) or rollout.vllm_server.kv_cache_gb "
+                                "(engine vllm-server)",
+    "rollout.vllm_gpu_memory_utilization": "rollout.vllm.gpu_memory_utilization",
+    "rollout.servers": "rollout.vllm_server.servers",
+    "rollout.server_urls": "rollout.vllm_server.urls",
+    "rollout.server_partial": "rollout.vllm_server.partial",
+    "rollout.server_timeout_s": "rollout.vllm_server.timeout_s",
+    "rollout.server_args": "rollout.vllm_server.args",
+    "rollout.server_weights_dir": "rollout.vllm_server.weights_dir",
+    "rollout.lora_sync": "rollout.vllm_server.lora_sync",
+}
+"""Fields of a config.yaml written by an older dppo -> where each lives now (issue 48: each engine's settings in its
+own node). Such a file is refused before any model loads, naming every moved field and its new place."""
+
+
+def check_moved(data: dict[str, Any], source: str) -> None:
+    """ConfigError naming each field of `data` that moved (`MOVED`) and its new place."""
+    found = [f"{old} is now {new}" for old, new in MOVED.items()
+             if old.split(".")[1] in (data.get(old.split(".")[0]) or {})]
+    rollout = data.get("rollout") or {}
+    for kind in ("env", "agent"):  # the episode kind was which of the two sections named something
+        if "episodes" not in rollout and (data.get(kind) or {}).get("name"):
+            found.append(f"{kind}.name chooses nothing now: the episode kind is rollout.episodes ({kind})")
+    if "episodes" not in rollout and (data.get("agent") or {}).get("name") and "max_tokens" in (data.get("env") or {}):
+        found.append("env.max_tokens (an agent's row) is now agent.max_tokens")
+    if found:
+        raise ConfigError(f"{found[0].split()[0]}: {source} was written by an older dppo; edit it: "
+                          + "; ".join(found))
