@@ -1,6 +1,7 @@
-"""The vllm-server engine's settings (its node, rollout.vllm_server): refused before anything starts when they cannot
-apply (naming the field and the engine that takes it), and carried as they are into the engine spec every rollout
-worker builds its engine from."""
+"""The run config (dppo.train.config): each engine's settings node and each episode kind's section refused under another
+kind (naming the field and the kind that takes it) and carried as they are into the engine spec every rollout worker
+builds its engine from; choosing a kind on the command line; every preset resolved and round-tripped through
+config.yaml; an older config.yaml refused naming each moved field and its new place."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import dataclasses
 import pytest
 from conftest import smoke_config
 
-from dppo.rollout.settings import ENGINES, VLLMServerSettings
+import yaml
+
+from dppo.cli import parse_config
+from dppo.episodes.settings import EPISODE_KINDS, EnvSettings
+from dppo.rollout.settings import ENGINES, HFSettings, VLLMServerSettings
 from dppo.train.build import engine_spec
-from dppo.train.config import Config, ConfigError
+from dppo.train.config import Config, ConfigError, replace
+from dppo.train.presets import PRESETS, get_preset
+from dppo.train.resolve import resolve_config
 
 
 def _cfg(tmp_path, rollout=None, **server):
@@ -90,3 +97,51 @@ def test_only_the_chosen_engines_node_is_written_and_it_round_trips(tmp_path):
     assert "vllm_server" in data["rollout"] and "hf" not in data["rollout"] and "vllm" not in data["rollout"]
     cfg.save(tmp_path / "config.yaml")
     assert Config.load(tmp_path / "config.yaml") == cfg
+
+
+@pytest.mark.parametrize("kind", sorted(k for k, s in EPISODE_KINDS.items() if dataclasses.fields(s)))
+def test_each_episode_kinds_section_is_refused_under_every_other_kind(tmp_path, kind):
+    """The refusal comes from the registry: a changed field of a kind's section (the kinds with settings), under
+    every other kind."""
+    from conftest import smoke_config
+
+    for other in EPISODE_KINDS:
+        if other != kind:
+            with pytest.raises(ConfigError, match=rf"^{kind}\.max_tokens: a setting of the {kind} episodes, but the "
+                                                  rf"run's episodes are '{other}' \(rollout\.episodes\)$"):
+                smoke_config(tmp_path, rollout={"episodes": other}, **{kind: {"max_tokens": 99}})
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_resolves_and_its_config_yaml_round_trips(tmp_path, name):
+    cfg = replace(get_preset(name), model={"device": "cpu"})
+    resolved = resolve_config(cfg)
+    resolved.save(tmp_path / "config.yaml")
+    assert Config.load(tmp_path / "config.yaml") == resolved
+    assert resolve_config(resolved) == resolved  # idempotent: a resumed run reads exactly it
+    written = yaml.safe_load((tmp_path / "config.yaml").read_text())["rollout"]
+    assert [k for k in written if k in {s.node() for s in ENGINES.values()}] == [ENGINES[resolved.rollout.engine].node()]
+
+
+def test_choosing_a_kind_on_the_command_line_starts_from_its_defaults(tmp_path):
+    cfg, _, _ = parse_config(["--preset", "calculator", "--rollout.episodes", "single"], prog="dppo eval")
+    assert cfg.rollout.episodes == "single" and cfg.env == EnvSettings()
+    replace(get_preset("smoke"), rollout={"hf": {"max_batch_rows": 4}}).save(tmp_path / "hf.yaml")
+    cfg, _, _ = parse_config(["--config", str(tmp_path / "hf.yaml"), "--rollout.engine", "vllm"], prog="dppo train")
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.hf == HFSettings()  # the file's hf node went with hf
+    with pytest.raises(ConfigError, match=r"^command line: could not parse --rollout\.hf\.max-batch-rows 4"):
+        parse_config(["--preset", "smoke", "--rollout.hf.max-batch-rows", "4", "--rollout.engine", "vllm"],
+                     prog="dppo train")  # a setting given for the engine not chosen: refused
+    with pytest.raises(ConfigError, match=r"^command line: could not parse --env\.name feedback"):
+        parse_config(["--preset", "smoke", "--env.name", "feedback"], prog="dppo train")  # no kind chosen: refused
+
+
+def test_an_old_config_yaml_whose_episodes_were_chosen_by_a_name_is_refused_naming_the_new_choice(tmp_path):
+    data = Config().to_dict()
+    del data["rollout"]["episodes"], data["agent"]["max_tokens"]
+    data["agent"]["name"], data["env"]["max_tokens"] = "my_agent.py:solve", 120
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"^agent\.name: .* was written by an older dppo; edit it: agent\.name "
+                                          r"chooses nothing now: the episode kind is rollout\.episodes \(agent\); "
+                                          r"env\.max_tokens \(an agent's row\) is now agent\.max_tokens$"):
+        Config.load(tmp_path / "config.yaml")
