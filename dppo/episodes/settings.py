@@ -24,7 +24,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dppo._checks import config_fail, config_json_object, config_positive
+from dppo._checks import config_fail as _fail
+from dppo._checks import config_json_object as _json_object
+from dppo._checks import config_positive as _positive
 from dppo.episodes.agent_loop import AgentEpisodes
 from dppo.episodes.env_loop import EnvEpisodes
 from dppo.episodes.single import SingleAnswer
@@ -74,12 +76,12 @@ class EnvSettings:
     noun: ClassVar[str] = "environment"
 
     def __post_init__(self) -> None:
-        config_json_object("env.options", self.options)
+        _json_object("env.options", self.options)
         if self.max_turns < 1:
-            config_fail("env.max_turns", f"expected >= 1, got {self.max_turns}")
+            _fail("env.max_turns", f"expected >= 1, got {self.max_turns}")
         if self.max_tokens < 1:
-            config_fail("env.max_tokens", f"expected >= 1, got {self.max_tokens}")
-        config_positive("env", timeout_s=self.timeout_s)
+            _fail("env.max_tokens", f"expected >= 1, got {self.max_tokens}")
+        _positive("env", timeout_s=self.timeout_s)
 
     @property
     def options_dict(self) -> dict[str, Any]:
@@ -87,13 +89,13 @@ class EnvSettings:
 
     def check_run(self, *, max_new_tokens: int) -> None:
         if max_new_tokens > self.max_tokens:
-            config_fail("rollout.max_new_tokens", f"{max_new_tokens} (one turn) > env.max_tokens {self.max_tokens} "
+            _fail("rollout.max_new_tokens", f"{max_new_tokens} (one turn) > env.max_tokens {self.max_tokens} "
                                             f"(the whole episode)")
 
     def episodes(self, *, max_new_tokens: int, reward=None) -> EnvEpisodes:
         """The environment's episodes: these settings are all they need (the environment scores each episode)."""
         if not self.name:
-            config_fail("env.name", "rollout.episodes env needs an environment (calculator, python, feedback, "
+            _fail("env.name", "rollout.episodes env needs an environment (calculator, python, feedback, "
                               "module:Class or path/to/file.py:Class)")
         return EnvEpisodes(self)
 
@@ -135,21 +137,21 @@ class AgentSettings:
 
     def __post_init__(self) -> None:
         if self.max_calls < 1:
-            config_fail("agent.max_calls", f"expected >= 1, got {self.max_calls}")
+            _fail("agent.max_calls", f"expected >= 1, got {self.max_calls}")
         if self.concurrency < 0:
-            config_fail("agent.concurrency", f"expected >= 0, got {self.concurrency}")
+            _fail("agent.concurrency", f"expected >= 0, got {self.concurrency}")
         if not 0 <= self.port <= 65535:
-            config_fail("agent.port", f"expected 0..65535, got {self.port}")
-        config_positive("agent", timeout_s=self.timeout_s, max_request_bytes=self.max_request_bytes,
+            _fail("agent.port", f"expected 0..65535, got {self.port}")
+        _positive("agent", timeout_s=self.timeout_s, max_request_bytes=self.max_request_bytes,
                   max_concurrent_requests=self.max_concurrent_requests)
         if self.name and ":" not in self.name:
-            config_fail("agent.name", f"expected 'module:function' or 'path/to/file.py:function', got {self.name!r}")
+            _fail("agent.name", f"expected 'module:function' or 'path/to/file.py:function', got {self.name!r}")
         if self.max_tokens < 1:
-            config_fail("agent.max_tokens", f"expected >= 1, got {self.max_tokens}")
+            _fail("agent.max_tokens", f"expected >= 1, got {self.max_tokens}")
 
     def check_run(self, *, max_new_tokens: int) -> None:
         if max_new_tokens > self.max_tokens:
-            config_fail("rollout.max_new_tokens", f"{max_new_tokens} (one call) > agent.max_tokens {self.max_tokens} "
+            _fail("rollout.max_new_tokens", f"{max_new_tokens} (one call) > agent.max_tokens {self.max_tokens} "
                                             f"(a row)")
 
     @property
@@ -161,7 +163,7 @@ class AgentSettings:
         """The agent's episodes, each of its rows holding up to max_tokens response tokens (each call's tokens are
         capped by the sampling parameters' max_new_tokens). The agent scores each episode."""
         if not self.name:
-            config_fail("agent.name", "rollout.episodes agent needs an agent ('module:function' or "
+            _fail("agent.name", "rollout.episodes agent needs an agent ('module:function' or "
                                 "'path/to/file.py:function')")
         return AgentEpisodes(self)
 

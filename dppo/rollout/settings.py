@@ -3,8 +3,8 @@
 Each class is at once the engine's config node (`rollout.hf`, `rollout.vllm`, `rollout.vllm_server` in a run's
 config; `--rollout.vllm-server.urls ...` on the command line) and what the engine, a rollout worker or a server
 receives inside its `dppo.rollout.spec.EngineSpec`: no second spec restates or renames its fields. What an engine
-can do is declared on its class (`can_receive_weights`, `can_update_in_flight`, `can_quantize_activations`,
-`can_record_top_k`), never in a
+can do is declared on its class (`can_receive_weights`, `can_update_in_flight`, `can_record_top_k`,
+`quantizes_activations()`), never in a
 list elsewhere; the engine itself lives in the module its `engine` names (imported only when built, so `vllm` is
 imported only when a vLLM engine is asked for).
 
@@ -20,7 +20,7 @@ import shlex
 from dataclasses import dataclass, fields
 from typing import ClassVar, Literal
 
-from dppo._checks import config_fail
+from dppo._checks import config_fail as _fail
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,12 @@ class EngineSettings:
     """It loads the trainer's weights after every optimiser step (`load_weights`; rollout.mode async needs it)."""
     can_update_in_flight: ClassVar[bool] = False
     """A response being sampled can go on under newer weights (rollout.in_flight_updates)."""
-    can_quantize_activations: ClassVar[bool] = False
-    """Its decoder's linear-layer inputs can be quantised to fp8 (its model runs in this process)."""
     can_record_top_k: ClassVar[bool] = True
     """It records µ's top-K log-probs (the Top-K trust regions need them)."""
 
     def quantizes_activations(self) -> bool:
-        """With rollout.quantization fp8: whether the engine also quantises its decoder's linear-layer inputs."""
+        """With rollout.quantization fp8: whether the engine also quantises its decoder's linear-layer inputs (only an
+        engine whose model runs in this process can; False for the others)."""
         return False
 
     @classmethod
@@ -55,7 +54,7 @@ class EngineSettings:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-                config_fail(f"rollout.{self.node()}.{f.name}", f"expected >= 0, got {value}")
+                _fail(f"rollout.{self.node()}.{f.name}", f"expected >= 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,6 @@ class HFSettings(EngineSettings):
     kind: ClassVar[str] = "hf"
     engine: ClassVar[str] = "dppo.rollout.hf:HFEngine"
     can_update_in_flight: ClassVar[bool] = True
-    can_quantize_activations: ClassVar[bool] = True
 
     max_batch_rows: int = 0
     """Most responses decoded together (whole prompts per batch; bounds the KV cache); 0 = all P·G."""
@@ -92,9 +90,9 @@ class VLLMSettings(EngineSettings):
 
     def __post_init__(self) -> None:
         if not self.kv_cache_gb > 0:
-            config_fail("rollout.vllm.kv_cache_gb", f"expected > 0, got {self.kv_cache_gb}")
+            _fail("rollout.vllm.kv_cache_gb", f"expected > 0, got {self.kv_cache_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            config_fail("rollout.vllm.gpu_memory_utilization", f"expected in (0, 1], got {self.gpu_memory_utilization}")
+            _fail("rollout.vllm.gpu_memory_utilization", f"expected in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -131,23 +129,23 @@ class VLLMServerSettings(EngineSettings):
 
     def __post_init__(self) -> None:
         if self.servers < 1:
-            config_fail("rollout.vllm_server.servers", f"expected >= 1, got {self.servers}")
+            _fail("rollout.vllm_server.servers", f"expected >= 1, got {self.servers}")
         if self.urls and self.servers != 1:
-            config_fail("rollout.vllm_server.servers", "dppo starts servers only without rollout.vllm_server.urls "
+            _fail("rollout.vllm_server.servers", "dppo starts servers only without rollout.vllm_server.urls "
                                                  "(one engine per URL list)")
         for url in self.url_list:
             if not re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", url):
-                config_fail("rollout.vllm_server.urls", f"{url!r} is not a server URL (expected http://host:port)")
+                _fail("rollout.vllm_server.urls", f"{url!r} is not a server URL (expected http://host:port)")
         for name, valid in (("partial", ("keep", "abort")), ("lora_sync", ("merged", "adapter"))):
             if getattr(self, name) not in valid:
-                config_fail(f"rollout.vllm_server.{name}", f"expected one of {', '.join(valid)}, got {getattr(self, name)!r}")
+                _fail(f"rollout.vllm_server.{name}", f"expected one of {', '.join(valid)}, got {getattr(self, name)!r}")
         for name in ("timeout_s", "kv_cache_gb"):
             if not getattr(self, name) > 0:
-                config_fail(f"rollout.vllm_server.{name}", f"expected > 0, got {getattr(self, name)}")
+                _fail(f"rollout.vllm_server.{name}", f"expected > 0, got {getattr(self, name)}")
         try:
             shlex.split(self.args)
         except ValueError as exc:
-            config_fail("rollout.vllm_server.args", f"not shell syntax ({exc})")
+            _fail("rollout.vllm_server.args", f"not shell syntax ({exc})")
 
     @property
     def url_list(self) -> list[str]:

@@ -151,7 +151,7 @@ def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0,
 def check_rollout(cfg: Config, trainer_device: torch.device) -> None:
     """ConfigError naming the field for a rollout set-up that cannot work on this machine, before any model
     loads: rollout.mode async with a device this machine does not have, or Ray not installed (what the engine can
-    do is checked with the config, `dppo.train.config.check_engine`)."""
+    do is checked with the config, `dppo.train.kinds.check_engine`)."""
     r = cfg.rollout
     if r.mode != "async":
         return

@@ -19,7 +19,10 @@ from typing import Any, Literal
 
 import yaml
 
-from dppo._checks import ConfigError, config_fail, config_json_object, config_positive
+from dppo._checks import ConfigError
+from dppo._checks import config_fail as _fail
+from dppo._checks import config_json_object as _json_object
+from dppo._checks import config_positive as _positive
 from dppo.advantages import ADVANTAGES
 from dppo.episodes.settings import EPISODE_KINDS, AgentSettings, EnvSettings
 from dppo.loss_spec import LossSpec, loss_spec
@@ -60,13 +63,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.name:
-            config_fail("model.name", "expected a built-in name or a model folder, got ''")
+            _fail("model.name", "expected a built-in name or a model folder, got ''")
         if self.dtype == "bfloat16" and self.precision in ("fp32", "fp16"):
-            config_fail("model.precision", f"{self.precision} needs float32 master weights, but model.dtype is bfloat16 "
+            _fail("model.precision", f"{self.precision} needs float32 master weights, but model.dtype is bfloat16 "
                                      f"(the trainer then computes in bf16: use model.precision auto or bf16)")
         if self.lora_rank < 0:
-            config_fail("model.lora_rank", f"expected >= 0, got {self.lora_rank}")
-        config_positive("model", lora_alpha=self.lora_alpha, tiny_hidden=self.tiny_hidden, tiny_layers=self.tiny_layers)
+            _fail("model.lora_rank", f"expected >= 0, got {self.lora_rank}")
+        _positive("model", lora_alpha=self.lora_alpha, tiny_hidden=self.tiny_hidden, tiny_layers=self.tiny_layers)
 
 
 EngineKind = Literal[("auto", *ENGINES)]
@@ -80,7 +83,7 @@ class _RolloutSettings:
     """The rollout: what is sampled (P prompts, G responses each, temperature, length, µ's top-K), by which engine
     (rollout.engine, whose own settings are its node: rollout.hf, rollout.vllm, rollout.vllm_server, one per
     `dppo.rollout.settings.ENGINES` entry; a node of an engine the run does not use is refused), the mismatch
-    emulations (fp8 weights, a lagging engine) and where the engine runs (sync, or async rollout workers).""" 
+    emulations (fp8 weights, a lagging engine) and where the engine runs (sync, or async rollout workers)."""
 
     engine: EngineKind = "auto"
     """auto = the faster engine for the hardware and engine dtype (dppo.runtime.hardware.resolve_engine): vllm on CUDA
@@ -132,40 +135,41 @@ class _RolloutSettings:
     worker_threads: int = 0
     """async: CPU threads of each CPU worker; 0 = the cores divided between the trainer and the CPU workers."""
     in_flight_updates: bool = False
-    """async, local backend, an engine that can (hf, vllm-server): a worker also loads newer weights between decode chunks (every 8 tokens)
-    of a response, recomputing its KV cache, so a response can span versions (each token records its own)."""
+    """async, local backend, an engine that can (hf, vllm-server): a worker also loads newer weights between decode
+    chunks (every 8 tokens) of a response, recomputing its KV cache, so a response can span versions (each token
+    records its own)."""
     worker_timeout_s: float = 600.0
     """async: a worker that returns nothing for this long (starting included) is reported as hung, by index."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens"):
             if getattr(self, name) < 1:
-                config_fail(f"rollout.{name}", f"expected >= 1, got {getattr(self, name)}")
-        config_positive("rollout", temperature=self.temperature)
+                _fail(f"rollout.{name}", f"expected >= 1, got {getattr(self, name)}")
+        _positive("rollout", temperature=self.temperature)
         if self.engine_lag < 0:
-            config_fail("rollout.engine_lag", f"expected >= 0, got {self.engine_lag}")
+            _fail("rollout.engine_lag", f"expected >= 0, got {self.engine_lag}")
         if self.max_staleness < 0:
-            config_fail("rollout.max_staleness", f"expected >= 0, got {self.max_staleness}")
+            _fail("rollout.max_staleness", f"expected >= 0, got {self.max_staleness}")
         if self.worker_threads < 0:
-            config_fail("rollout.worker_threads", f"expected >= 0, got {self.worker_threads}")
-        config_positive("rollout", worker_timeout_s=self.worker_timeout_s)
+            _fail("rollout.worker_threads", f"expected >= 0, got {self.worker_threads}")
+        _positive("rollout", worker_timeout_s=self.worker_timeout_s)
         if self.mode == "async" and self.engine_lag:
-            config_fail("rollout.engine_lag", "is the synchronous stand-in for staleness; with rollout.mode async use "
+            _fail("rollout.engine_lag", "is the synchronous stand-in for staleness; with rollout.mode async use "
                                         "rollout.max_staleness")
         if self.in_flight_updates and (self.backend != "local" or self.quantization != "none"):
-            config_fail("rollout.in_flight_updates", "needs rollout.backend local and rollout.quantization none")
+            _fail("rollout.in_flight_updates", "needs rollout.backend local and rollout.quantization none")
         if self.engine != "auto":
             check_engine(self, self.engine)
         for name in ("devices", "backend", "ray_address", "in_flight_updates"):
             if self.mode == "sync" and getattr(self, name) != getattr(RolloutConfig, name):
-                config_fail(f"rollout.{name}", "needs rollout.mode async")
+                _fail(f"rollout.{name}", "needs rollout.mode async")
         for device in self.device_list:
             if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-                config_fail("rollout.devices", f"{device!r} is not a device (expected cpu, cuda or cuda:N, comma-separated)")
+                _fail("rollout.devices", f"{device!r} is not a device (expected cpu, cuda or cuda:N, comma-separated)")
         if self.hf.fp8_activations and self.quantization != "fp8":
-            config_fail("rollout.hf.fp8_activations", "needs rollout.quantization fp8")
+            _fail("rollout.hf.fp8_activations", "needs rollout.quantization fp8")
         if self.top_k_logprobs is not None and self.top_k_logprobs < 0:
-            config_fail("rollout.top_k_logprobs", f"expected >= 0, got {self.top_k_logprobs}")
+            _fail("rollout.top_k_logprobs", f"expected >= 0, got {self.top_k_logprobs}")
 
     @property
     def device_list(self) -> list[str]:
@@ -207,12 +211,12 @@ class TaskConfig:
     """Optional system message for chat-formatted prompts."""
 
     def __post_init__(self) -> None:
-        config_json_object("task.options", self.options)
+        _json_object("task.options", self.options)
         if self.size < 1:
-            config_fail("task.size", f"expected >= 1, got {self.size}")
+            _fail("task.size", f"expected >= 1, got {self.size}")
         if self.eval_size < 0:
-            config_fail("task.eval_size", f"expected >= 0, got {self.eval_size}")
-        config_positive("task", reward_timeout_s=self.reward_timeout_s)
+            _fail("task.eval_size", f"expected >= 0, got {self.eval_size}")
+        _positive("task", reward_timeout_s=self.reward_timeout_s)
 
     @property
     def options_dict(self) -> dict[str, Any]:
@@ -221,8 +225,8 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class _LossSettings:
-    """The policy loss (the paper's Eq. 12 mask in Eq. 23's surrogate; docs/library.md): trust region, anchor, importance-weight cap, aggregation. The trust regions'
-    own parameters (delta_low, eps_high, relax_alpha, cppo_*, neg_delta, ...) are fields too, one per name in
+    """The policy loss (the paper's Eq. 12 mask in Eq. 23's surrogate; docs/library.md): trust region, anchor,
+    importance-weight cap, aggregation. The trust regions' own parameters (delta_low, eps_high, relax_alpha, cppo_*, neg_delta, ...) are fields too, one per name in
     `dppo.trust_region.TRUST_REGIONS` (see `LossConfig` below)."""
 
     loss: Literal["masked_is", "drpo"] = "masked_is"
@@ -302,8 +306,8 @@ class AdvantageConfig:
 
     def __post_init__(self) -> None:
         if self.estimator not in ADVANTAGES:
-            config_fail("advantage.estimator", f"unknown {self.estimator!r}; valid: {', '.join(ADVANTAGES)}")
-        config_positive("advantage", eps=self.eps)
+            _fail("advantage.estimator", f"unknown {self.estimator!r}; valid: {', '.join(ADVANTAGES)}")
+        _positive("advantage", eps=self.eps)
 
 
 @dataclass(frozen=True)
@@ -324,16 +328,16 @@ class OptimConfig:
     """Max global gradient norm (0 = no clipping)."""
 
     def __post_init__(self) -> None:
-        config_positive("optim", lr=self.lr)
+        _positive("optim", lr=self.lr)
         if self.weight_decay < 0:
-            config_fail("optim.weight_decay", f"expected >= 0, got {self.weight_decay}")
+            _fail("optim.weight_decay", f"expected >= 0, got {self.weight_decay}")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
-                config_fail(f"optim.{name}", f"expected in [0, 1), got {getattr(self, name)}")
+                _fail(f"optim.{name}", f"expected in [0, 1), got {getattr(self, name)}")
         if self.warmup_steps < 0:
-            config_fail("optim.warmup_steps", f"expected >= 0, got {self.warmup_steps}")
+            _fail("optim.warmup_steps", f"expected >= 0, got {self.warmup_steps}")
         if self.grad_clip < 0:
-            config_fail("optim.grad_clip", f"expected >= 0, got {self.grad_clip}")
+            _fail("optim.grad_clip", f"expected >= 0, got {self.grad_clip}")
 
 
 @dataclass(frozen=True)
@@ -384,15 +388,15 @@ class TrainConfig:
         for name in ("steps", "epochs", "mini_batches", "micro_batch_size", "keep_checkpoints", "eval_samples_per_prompt",
                      "max_consecutive_skips"):
             if getattr(self, name) < 1:
-                config_fail(f"train.{name}", f"expected >= 1, got {getattr(self, name)}")
+                _fail(f"train.{name}", f"expected >= 1, got {getattr(self, name)}")
         for name in ("eval_every", "checkpoint_every", "threads"):
             if getattr(self, name) < 0:
-                config_fail(f"train.{name}", f"expected >= 0, got {getattr(self, name)}")
-        config_positive("train", eval_temperature=self.eval_temperature, dist_timeout_s=self.dist_timeout_s)
+                _fail(f"train.{name}", f"expected >= 0, got {getattr(self, name)}")
+        _positive("train", eval_temperature=self.eval_temperature, dist_timeout_s=self.dist_timeout_s)
         if self.scoring_layout not in ("auto", "packed", "shared"):
-            config_fail("train.scoring_layout", f"unknown {self.scoring_layout!r}; valid: auto, packed, shared")
+            _fail("train.scoring_layout", f"unknown {self.scoring_layout!r}; valid: auto, packed, shared")
         if self.distributed not in ("ddp", "fsdp2"):
-            config_fail("train.distributed", f"unknown {self.distributed!r}; valid: ddp, fsdp2")
+            _fail("train.distributed", f"unknown {self.distributed!r}; valid: ddp, fsdp2")
 
 
 @dataclass(frozen=True)
@@ -429,17 +433,17 @@ class LogConfig:
         object.__setattr__(self, "report_to", report_to)  # a single name (TRL accepts a str) becomes a tuple
         for name in report_to:
             if name not in (*TRACKERS, "none"):
-                config_fail("log.report_to", f"unknown tracker {name!r}; valid: {', '.join(TRACKERS)}, none")
+                _fail("log.report_to", f"unknown tracker {name!r}; valid: {', '.join(TRACKERS)}, none")
         if len(set(report_to)) != len(report_to):
-            config_fail("log.report_to", f"a tracker is listed twice: {', '.join(report_to)}")
+            _fail("log.report_to", f"a tracker is listed twice: {', '.join(report_to)}")
         if "none" in report_to and len(report_to) > 1:
-            config_fail("log.report_to", f"'none' cannot be combined with other trackers, got {', '.join(report_to)}")
+            _fail("log.report_to", f"'none' cannot be combined with other trackers, got {', '.join(report_to)}")
         if not self.project:
-            config_fail("log.project", "expected a project name, got ''")
+            _fail("log.project", "expected a project name, got ''")
         for name in self.trackers:
             problem = check_tracker_installed(name)
             if problem:
-                config_fail("log.report_to", problem)
+                _fail("log.report_to", problem)
 
     @property
     def trackers(self) -> tuple[str, ...]:
@@ -465,29 +469,32 @@ class Config:
 
     def __post_init__(self) -> None:
         if needs_topk(self.loss.trust_region) and self.top_k_logprobs < 1:
-            config_fail("rollout.top_k_logprobs", f"trust region {self.loss.trust_region!r} needs µ's top-K log-probs: "
+            _fail("rollout.top_k_logprobs", f"trust region {self.loss.trust_region!r} needs µ's top-K log-probs: "
                                             f"set >= 1 (or leave it unset for {DEFAULT_TOP_K})")
+        engine = ENGINES.get(self.rollout.engine)  # (None under auto: checked again once auto has chosen)
+        if self.top_k_logprobs and engine is not None and not engine.can_record_top_k:
+            _fail("rollout.top_k_logprobs", f"the {engine.kind} engine does not record µ's top-K log-probs")
         if self.model.gradient_checkpointing and self.train.scoring_layout == "shared":
-            config_fail("train.scoring_layout", "'shared' needs the prompts' KV cache, which checkpointed layers do not "
+            _fail("train.scoring_layout", "'shared' needs the prompts' KV cache, which checkpointed layers do not "
                                           "keep (model.gradient_checkpointing); use 'packed' or 'auto'")
         if self.advantage.estimator != "group_mean_batch_std" and self.rollout.group_size < 2:
-            config_fail("rollout.group_size", f"advantage {self.advantage.estimator!r} needs >= 2 responses per prompt")
+            _fail("rollout.group_size", f"advantage {self.advantage.estimator!r} needs >= 2 responses per prompt")
         if self.train.mini_batches > self.rollout.prompts_per_step:
-            config_fail("train.mini_batches", f"{self.train.mini_batches} mini-batches > {self.rollout.prompts_per_step} prompts per step")
+            _fail("train.mini_batches", f"{self.train.mini_batches} mini-batches > {self.rollout.prompts_per_step} prompts per step")
         if self.rollout.prompts_per_step % self.train.mini_batches:
-            config_fail("train.mini_batches", f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (groups stay whole)")
+            _fail("train.mini_batches", f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (groups stay whole)")
         workers = max(1, len(self.rollout.device_list))
         if self.rollout.mode == "async" and workers > self.rollout.prompts_per_step:
-            config_fail("rollout.devices", f"{workers} rollout workers but rollout.prompts_per_step = "
+            _fail("rollout.devices", f"{workers} rollout workers but rollout.prompts_per_step = "
                                      f"{self.rollout.prompts_per_step}: every worker needs at least one prompt per step")
         check_episodes(self)
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
-            config_fail("loss.anchor", "drpo has no mask to anchor")
+            _fail("loss.anchor", "drpo has no mask to anchor")
         if self.rollout.vllm_server.lora_sync == "adapter" and not self.model.lora_rank:
-            config_fail("rollout.vllm_server.lora_sync", "'adapter' needs a LoRA run (model.lora_rank > 0)")
+            _fail("rollout.vllm_server.lora_sync", "'adapter' needs a LoRA run (model.lora_rank > 0)")
         if self.rollout.vllm_server.lora_sync == "adapter" and self.rollout.quantization != "none":
-            config_fail("rollout.vllm_server.lora_sync", "'adapter' sends no base weights to quantise; use rollout.quantization "
-                                                   "none")
+            _fail("rollout.vllm_server.lora_sync", "'adapter' sends no base weights to quantise; use "
+                                                   "rollout.quantization none")
 
     @property
     def episode_settings(self):
@@ -548,15 +555,14 @@ _SECTIONS = {
 
 def _section(section_cls, name: str, values: dict[str, Any], source: str):
     """One section (or node) of a config file as its dataclass; ConfigError naming an unknown field."""
-    nodes = {f.name: f.type for f in dataclasses.fields(section_cls) if dataclasses.is_dataclass(f.default_factory)}
-    known = {f.name for f in dataclasses.fields(section_cls)}
-    bad = set(values) - known
+    fields = dataclasses.fields(section_cls)
+    nodes = {f.name: f.default_factory for f in fields if dataclasses.is_dataclass(f.default_factory)}
+    bad = set(values) - {f.name for f in fields}
     if bad:
         raise ConfigError(f"{name}.{sorted(bad)[0]}: unknown field in {source}")
     for key, value in values.items():
         if key in nodes:
-            node_cls = next(f.default_factory for f in dataclasses.fields(section_cls) if f.name == key)
-            values[key] = _section(node_cls, f"{name}.{key}", dict(value or {}), source)
+            values[key] = _section(nodes[key], f"{name}.{key}", dict(value or {}), source)
         elif isinstance(value, list):
             values[key] = tuple(value)
         elif value == "inf":

@@ -17,7 +17,7 @@ from dppo.runtime import hardware
 from dppo.runtime.hardware import describe
 from dppo.runtime.models import BUILTIN_MODELS
 from dppo.runtime.plugins import absolute_spec
-from dppo.train.config import Config, check_engine, replace
+from dppo.train.config import Config, replace
 
 
 def resolve_device(name: str) -> torch.device:
@@ -71,16 +71,15 @@ def absolute_paths(cfg: Config, base: Path) -> Config:
 
 def resolve_config(cfg: Config) -> Config:
     """`cfg` with every value the run will use written out: rollout.engine, rollout.dtype and model.precision as
-    `auto` chose them on this machine (`check_engine`: a setting of another engine than the chosen one, or what it
-    cannot do, is refused naming the field),
-    rollout.top_k_logprobs as K (20 or 0 when unset), and the loss as its resolved `LossSpec` (`LossConfig.spec`:
-    the chosen trust region's parameters, the sequence mask's δ and DRPO's δ at their defaults when unset). A run
+    `auto` chose them on this machine (the chosen engine then checked like a configured one,
+    `dppo.train.kinds.check_engine`: a setting of another engine, or what it cannot do, is refused naming the
+    field), rollout.top_k_logprobs as K (20 or 0 when unset), and the loss as its resolved `LossSpec`
+    (`LossConfig.spec`: the chosen trust region's parameters, the sequence mask's δ and DRPO's δ at their defaults when unset). A run
     directory's config.yaml holds this, and a resumed run reads exactly it (idempotent: resolving it again changes
     nothing). Every file the run reads is an absolute path (`absolute_paths`, against the current directory); with
     an environment or an agent, task.reward is '' (the episodes score themselves: a reward given is not used, and
     the run says so at start, `resolution_notes`)."""
     engine, dtype, _ = resolve_rollout(cfg)
-    check_engine(cfg.rollout, engine.value)
     precision, _ = resolve_precision(cfg)
     cfg = replace(absolute_paths(cfg, Path.cwd()), model={"precision": precision.value})
     if not cfg.episode_settings.scored_by_task:  # the environment / agent scores each episode: task.reward unused

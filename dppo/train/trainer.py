@@ -1,5 +1,4 @@
-"""The DPPO training loop: rollout → reward → advantage → E×M updates → publish weights → log (docs/library.md,
-"Layout").
+"""The DPPO training loop: rollout → reward → advantage → E×M updates → publish weights → log.
 
 `Trainer.step` reads top to bottom, the same in every sampling mode: the batch comes from a `RolloutSource`
 (`dppo.rollout.source`: an engine in this process, the same engine rollout.engine_lag versions behind, or rollout
@@ -26,8 +25,8 @@ from transformers import set_seed
 
 from dppo.advantages import compute_advantages
 from dppo.divergence import topk_kl, topk_tv
-from dppo.losses import LOSSES, aggregation_denominator
 from dppo.episodes.results import episode_rewards, episode_success
+from dppo.losses import LOSSES, aggregation_denominator
 from dppo.rewards.runner import NonFiniteRewardError
 from dppo.rollout.base import SamplingParams
 from dppo.rollout.source import Draw
@@ -38,12 +37,12 @@ from dppo.train.batch import RolloutBatch, collate, episode_groups, loss_inputs,
 from dppo.train.batch_stats import mini_batch_statistics
 from dppo.train.build import (build_episodes, build_model, build_scorer, build_source, build_task, check_environment,
                               check_rollout)
-from dppo.train.resolve import announce_rollout, resolution_notes, resolve_config, resolve_device
 from dppo.train.config import Config
 from dppo.train.distributed import init_from_env
 from dppo.train.evaluation import evaluate, vote_rule
 from dppo.train.optim import GuardedOptimizer
 from dppo.train.prompts import PromptSampler
+from dppo.train.resolve import announce_rollout, resolution_notes, resolve_config, resolve_device
 from dppo.train.resume import restore
 from dppo.train.scoring import Scores, autocast_dtype, score_batch
 from dppo.train.step_metrics import StepAccumulator, loss_diagnostics, prune_unreached, samples, step_metrics
@@ -69,7 +68,6 @@ class Trainer:
         self.train_examples, self.eval_examples = list(self.task.train), list(self.task.eval)
         env_line = check_environment(cfg, self.train_examples)  # env settings fail here, before any model loads
         self.episodes = build_episodes(cfg, self.task)  # every response is an episode of the run's environment
-        self.max_response_len = self.episodes.max_tokens
         self.model, self.tokenizer, _ = build_model(cfg, self.run_dir)
         self.scorer = build_scorer(cfg, self.model, self.dist)  # DDP/FSDP2 under torchrun (FSDP2 shards self.model)
         self.loss_spec = cfg.loss.spec()  # resolved and checked once (dppo.loss_spec)
@@ -95,10 +93,9 @@ class Trainer:
         self.logger = RunLogger.for_run(self.run_dir, cfg, start_step=self.step_idx, active=self.dist.is_main)
         announce = lambda line: print(line, flush=True) if self.dist.is_main else None  # noqa: E731
         announce_rollout(requested, announce, training=True)  # what `auto` chose and why (the resolved config only says what)
-        for line in resolution_notes(requested):
-            announce(line)
-        if env_line:
-            announce(env_line)
+        for line in (*resolution_notes(requested), env_line):
+            if line:
+                announce(line)
         # the engine (or the rollout workers) holding the current weights as version step_idx; with
         # rollout.engine_lag a resumed run's lag restarts from the resumed weights
         self.source = build_source(cfg, self.episodes, draw=self._draw, weights=self._engine_state(),
@@ -285,7 +282,7 @@ class Trainer:
                              topk_divergence=self.topk_divergence, n_turns=self.episodes.max_turns,
                              batch_stats=batch_stats)
         loss, stats = self.loss_fn(scores.logp, rollout_logp, adv[micro], mask, self.loss_spec, inputs,
-                                   max_response_len=self.max_response_len, denominator=denom)
+                                   max_response_len=self.episodes.max_tokens, denominator=denom)
         split_old = old.logp[micro] if old is not None and self.cfg.loss.split_mismatch else None
         stats = loss_diagnostics(stats, batch, micro, scores.logp, split_old, max_staleness=self.source.max_staleness,
                                  max_turns=self.episodes.max_turns)

@@ -40,10 +40,8 @@ def test_each_engine_node_is_refused_under_every_other_engine(tmp_path, kind):
     """The refusal comes from the registry: every engine's node, under every other engine (and under auto once it
     resolves, `resolve_config`)."""
     settings = ENGINES[kind]
-    field = dataclasses.fields(settings)[0]
-    changed = {field.name: (field.default or 0) + 1 if not isinstance(field.default, str) else "x"}
-    if kind == "vllm-server":
-        changed = {"servers": 2}
+    field = dataclasses.fields(settings)[0]  # a number in every engine's settings (max_batch_rows, kv_cache_gb, servers)
+    changed = {field.name: field.default + 1}
     for other in ENGINES:
         if other == kind:
             continue
@@ -145,3 +143,19 @@ def test_an_old_config_yaml_whose_episodes_were_chosen_by_a_name_is_refused_nami
                                           r"chooses nothing now: the episode kind is rollout\.episodes \(agent\); "
                                           r"env\.max_tokens \(an agent's row\) is now agent\.max_tokens$"):
         Config.load(tmp_path / "config.yaml")
+
+
+def test_under_auto_the_node_of_an_engine_auto_did_not_choose_is_refused_once_it_has_chosen(tmp_path):
+    cfg = _cfg(tmp_path, rollout={"engine": "auto"}, servers=2)  # auto never chooses vllm-server
+    with pytest.raises(ConfigError, match=r"^rollout\.vllm_server\.servers: a setting of the vllm-server engine, but "
+                                          r"the run's engine is '(hf|vllm)'"):
+        resolve_config(cfg)
+
+
+def test_an_engine_that_records_no_top_k_is_refused_for_a_top_k_trust_region(tmp_path, monkeypatch):
+    from conftest import smoke_config
+
+    monkeypatch.setattr(HFSettings, "can_record_top_k", False)  # what the engine declares is what is checked
+    smoke_config(tmp_path, rollout={"engine": "hf"})  # no top-K needed: fine
+    with pytest.raises(ConfigError, match=r"^rollout\.top_k_logprobs: the hf engine does not record µ's top-K"):
+        smoke_config(tmp_path, rollout={"engine": "hf"}, loss={"trust_region": "dppo_topk_tv"})
