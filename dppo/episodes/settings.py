@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 from dppo._checks import config_fail as _fail
 from dppo._checks import config_json_object as _json_object
 from dppo._checks import config_positive as _positive
+from dppo._extras import require_extra
 from dppo.episodes.agent_loop import AgentEpisodes
 from dppo.episodes.env_loop import EnvEpisodes
 from dppo.episodes.single import SingleAnswer
@@ -150,6 +151,7 @@ class AgentSettings:
             _fail("agent.max_tokens", f"expected >= 1, got {self.max_tokens}")
 
     def check_run(self, *, max_new_tokens: int) -> None:
+        require_extra("agents", "rollout.episodes", "'agent' (the recording proxy and the agent's OpenAI client)")
         if max_new_tokens > self.max_tokens:
             _fail("rollout.max_new_tokens", f"{max_new_tokens} (one call) > agent.max_tokens {self.max_tokens} "
                                             f"(a row)")
