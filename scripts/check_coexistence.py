@@ -32,6 +32,9 @@ SCENARIOS = {
 }
 
 
+SHOWN = ("torch", "transformers", "accelerate", "peft", "datasets", "openai")  # listed as installed first, if present
+
+
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if proc.returncode != 0:
@@ -86,8 +89,8 @@ def scenario(name: str, python: str, wheel: Path, work: Path) -> dict:
             changed.append(f"{meta['name']} {before[key]} -> {meta['version']}")
         else:
             added.append(f"{meta['name']}=={meta['version']}")
-    return {"scenario": name, "python": python, "stack": {k: before.get(k.split("==")[0], "?")
-                                                          for k in [s.split("==")[0] for s in stack] + ["torch"]},
+    shown = [s.split("==")[0] for s in stack] + [k for k in SHOWN if k not in stack]
+    return {"scenario": name, "python": python, "stack": {k: before[k] for k in shown if k in before},
             "extra": extra, "changed": changed, "added": added, "ok": not changed,
             "seconds": round(time.monotonic() - start, 1)}
 
@@ -105,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         wheel = build_wheel(args.rev, work)
         results = [scenario(name, args.python, wheel, work) for name in args.scenario or sorted(SCENARIOS)]
     print(f"dppo wheel: {wheel.name} ({'rev ' + args.rev if args.rev else 'work tree'}), {args.python}")
-    print(f"{'scenario':<10} {'extra':<7} {'installed first':<58} {'changed':>7} {'added':>5}  verdict")
+    print(f"{'scenario':<10} {'extra':<7} {'changed':>7} {'added':>5}  {'verdict':<8} installed first")
     for r in results:
         stack = ", ".join(f"{k} {v}" for k, v in r["stack"].items())
-        print(f"{r['scenario']:<10} {r['extra']:<7} {stack[:58]:<58} {len(r['changed']):>7} {len(r['added']):>5}  "
-              f"{'ok' if r['ok'] else 'CHANGES'}")
+        print(f"{r['scenario']:<10} {r['extra']:<7} {len(r['changed']):>7} {len(r['added']):>5}  "
+              f"{'ok' if r['ok'] else 'CHANGES':<8} {stack}")
         for line in r["changed"]:
             print(f"    would change {line}")
         if r["added"]:
