@@ -95,5 +95,19 @@ class QuantizedEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def __getattr__(self, name):  # max_logprobs, weight_version, model, ... of the wrapped engine
+    # The protocol's attributes are declared here, not left to __getattr__: from Python 3.12, isinstance(x, Engine)
+    # (a runtime_checkable Protocol) looks attributes up with inspect.getattr_static, which does not see __getattr__.
+    @property
+    def max_logprobs(self) -> int:
+        return self.engine.max_logprobs
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:  # (a rollout worker's published version reaches the engine that
+        self.engine.weight_version = version  # decodes and stamps its rollouts, not a copy on the wrapper)
+
+    def __getattr__(self, name):  # model, max_context, ... of the wrapped engine
         return getattr(self.engine, name)

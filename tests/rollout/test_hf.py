@@ -410,6 +410,9 @@ def test_the_fp8_wrapper_passes_the_capabilities_to_the_engine_it_wraps(tiny_mod
     poll = lambda: False  # noqa: E731
     engine.between_chunks = poll  # (an async worker's in-flight updates must reach the engine that decodes)
     assert inner.between_chunks is poll
+    assert engine.max_logprobs == inner.max_logprobs and engine.weight_version == inner.weight_version == 0
+    engine.weight_version = 7  # (a rollout worker stamps the published version; the inner engine records it)
+    assert inner.weight_version == 7
     engine.enable_prefix_cache(64)
     assert inner._prefix is not None
     engine.enable_prefix_cache(0)
