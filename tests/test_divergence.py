@@ -316,6 +316,10 @@ def test_partition_properties_hold_in_float32(seed, vocab, k, spread):
     mu_o = 1.0 - float(torch.where(valid, cm.exp(), torch.zeros_like(cm)).double().sum())
     pi_o = 1.0 - float(torch.where(valid, cp.exp(), torch.zeros_like(cp)).double().sum())
     kl_slack = slack + 8 * torch.finfo(F32).eps * max(mu_o, 0.0) / max(pi_o, 1e-30)
+    # When the cells hold (nearly) all the mass, µ(O) and π(O) are float32 rounding residues (≈ eps, however small the
+    # true values) and π(O) is clamped at float32's tiny: the term µ(O) log(µ(O)/π(O)) then carries up to
+    # ≈ eps·(1 + |log tiny|) (seed 2147483647, V = k = 6: µ(O) rounds to −1.9e-9 in float64, the term gave 1.07e-5).
+    kl_slack += 8 * torch.finfo(F32).eps * (1 - math.log(torch.finfo(F32).tiny))
     assert topk_tv(cp, cm, valid) <= full_tv(lpi, lmu) + slack
     assert topk_kl(cp, cm, valid) <= full_kl(lpi, lmu) + kl_slack
     assert binary_tv(lpi[a], lmu[a]) <= topk_tv(cp, cm, valid) + slack
