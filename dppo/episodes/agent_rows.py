@@ -30,8 +30,10 @@ from dppo.rollout.base import Episode, Rollout
 class Row:
     """One training row of an agent episode: its tokens, and what a later call must extend to join it."""
 
-    def __init__(self, prompt_ids: list[int], messages: list[dict] | None, tools: list[dict]) -> None:
+    def __init__(self, prompt_ids: list[int], messages: list[dict] | None, tools: list[dict],
+                 template_kwargs: dict | None = None) -> None:
         self.tokens = TokenRecord(prompt_ids)
+        self.template_kwargs = template_kwargs  # the chat template's extra arguments (a joining call must send the same)
         self.messages = messages  # the transcript as the client sends it (None: a completions row)
         self.raw = template_messages(messages) if messages is not None else None  # as the template renders it
         self.tools = tools
@@ -61,10 +63,11 @@ def _same_message(sent: dict, kept: dict) -> bool:
                                     and (x.get("id") is None or x["id"] == y.get("id")) for x, y in zip(a, b))
 
 
-def chat_join(row: Row, messages: list[dict], tools: list[dict], codec: ChatCodec) -> list[int] | None:
+def chat_join(row: Row, messages: list[dict], tools: list[dict], codec: ChatCodec,
+              template_kwargs: dict | None = None) -> list[int] | None:
     """The ids the chat call `messages` appends to `row` (before its generation), or None when it does not extend
     the row (module docstring)."""
-    if row.messages is None or row.returned is None or tools != row.tools:
+    if row.messages is None or row.returned is None or tools != row.tools or template_kwargs != row.template_kwargs:
         return None
     k = len(row.messages)
     if len(messages) <= k + 1 or not all(_same_message(m, r) for m, r in zip(messages[:k], row.messages)):
@@ -72,7 +75,8 @@ def chat_join(row: Row, messages: list[dict], tools: list[dict], codec: ChatCode
     if not _same_message(messages[k], row.returned) or any(m["role"] == "assistant" for m in messages[k + 1:]):
         return None
     history = row.raw + [{"role": "assistant", "content": row.returned["raw"]}]
-    return codec.extend(history, template_messages(messages[k + 1:]), tools, stopped=row.tokens.stopped)
+    return codec.extend(history, template_messages(messages[k + 1:]), tools, stopped=row.tokens.stopped,
+                        template_kwargs=template_kwargs)
 
 
 def ids_join(row: Row, prompt: list[int]) -> list[int] | None:
@@ -96,16 +100,21 @@ class ProxyEpisode:
         self.timed_out = False
         self.closed = False
 
-    def place(self, messages: list[dict] | None, tools: list[dict], prompt: list[int] | None, codec: ChatCodec):
-        """(row, ids to append, is_new) for a call: the newest row it extends, else a new row."""
+    def place(self, messages: list[dict] | None, tools: list[dict], prompt: list[int] | None, codec: ChatCodec,
+              template_kwargs: dict | None = None):
+        """(row, ids to append, is_new) for a call: the newest row it extends, else a new row. `template_kwargs`:
+        the chat template's extra arguments (`chat_template_kwargs`)."""
         for row in reversed(self.rows):
             if row.busy:
                 continue
-            extra = chat_join(row, messages, tools, codec) if messages is not None else ids_join(row, prompt)
+            extra = chat_join(row, messages, tools, codec, template_kwargs) if messages is not None \
+                else ids_join(row, prompt)
             if extra is not None:
                 return row, extra, False
-        ids = codec.render(template_messages(messages), tools) if messages is not None else list(prompt)
-        return Row(ids, messages, tools), [], True
+        if messages is None:
+            return Row(list(prompt), None, tools), [], True
+        ids = codec.render(template_messages(messages), tools, template_kwargs=template_kwargs)
+        return Row(ids, messages, tools, template_kwargs), [], True
 
     def record(self, row: Row, extra: list[int], new: bool, result: Rollout, eos_id: int) -> None:
         """A call's tokens into `row`: the ids it appended (`extra`, mask 0, as the turn they answer), then what it

@@ -68,10 +68,12 @@ class ChatCodec:
                              "episode cannot keep the sampled ids; token-in-token-out episodes need a template "
                              "that only appends")
 
-    def render(self, messages, tools=(), *, generation_prompt: bool = True) -> list[int]:
+    def render(self, messages, tools=(), *, generation_prompt: bool = True, template_kwargs: dict | None = None
+               ) -> list[int]:
         """Token ids of `messages` with `tools` (through the template when it renders `tools=`, else the Hermes tool
-        prompt in the system message), through the tokenizer's chat template."""
-        kwargs = {}
+        prompt in the system message), through the tokenizer's chat template (given `template_kwargs` too, e.g. a
+        client's `enable_thinking`)."""
+        kwargs = dict(template_kwargs or {})
         if tools and self.tools_in_template:
             kwargs["tools"] = list(tools)
         elif tools:
@@ -80,12 +82,13 @@ class ChatCodec:
                                                  tokenize=True, **kwargs)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
-    def extend(self, history, messages, tools=(), *, stopped: bool) -> list[int] | None:
+    def extend(self, history, messages, tools=(), *, stopped: bool, template_kwargs: dict | None = None
+               ) -> list[int] | None:
         """The ids `messages` append after `history` (ending with an assistant message whose generation ended with
         the stop token when `stopped`), up to the next generation prompt; None when the template rewrites
         `history` once they are appended."""
-        base = self.render(history, tools, generation_prompt=False)
-        return self._tail(base, self.render([*history, *messages], tools), stopped)
+        base = self.render(history, tools, generation_prompt=False, template_kwargs=template_kwargs)
+        return self._tail(base, self.render([*history, *messages], tools, template_kwargs=template_kwargs), stopped)
 
     def append(self, messages, *, stopped: bool = True) -> list[int]:
         """`extend` of the synthetic history: the ids an environment's `messages` add (ValueError when the template

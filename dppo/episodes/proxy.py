@@ -9,7 +9,10 @@
 
 The proxy takes the run's `agent` settings (`dppo.episodes.settings.AgentSettings`, a row's token budget
 among them) as they are, and the batch wait as an argument. Endpoints, under each episode's base URL
-`http://<host>:<port>/e/<key>/v1`: `POST chat/completions`, `POST completions`, `GET models`; and
+`http://<host>:<port>/e/<key>/v1`: `POST chat/completions`, `POST completions`, `GET models`; the token route
+`POST /e/<key>/inference/v1/generate` (vLLM's: token ids in, ids and µ out, rows joined by id prefix as completions);
+the same three under one shared base URL `http://<host>:<port>/v1` (and `/inference/v1/generate`), the episode named
+by the `X-Session-ID` header (its key); and
 `POST /e/<key>/reward` (`{"reward": float}`) for an agent that reports its reward instead of returning it. An
 unknown or ended episode gets 404 / 410; a request over `agent.max_request_bytes` 413; more than
 `agent.max_concurrent_requests` requests in flight 429; a refused sampling parameter 400 with the OpenAI error shape
@@ -34,11 +37,24 @@ from typing import Any, Callable
 from dppo.episodes.agent_rows import ProxyEpisode
 from dppo.episodes.chat import ChatCodec, reply_message
 from dppo.episodes.proxy_batching import Batcher
-from dppo.episodes.proxy_requests import RequestError, check_request
+from dppo.episodes.proxy_replies import chat_logprobs, completion_logprobs, generate_logprobs, sse_events
+from dppo.episodes.proxy_requests import RequestError, check_generate, check_request
 from dppo.rollout.base import SamplingParams
 
 MODEL_NAME = "dppo-policy"
 """The model name `GET models` lists (any name a request sends is the run's policy)."""
+
+
+SESSION_HEADER = "x-session-id"
+"""The header that names the episode (its key) on the shared base URL."""
+
+
+def _session(request) -> str:
+    key = request.headers.get(SESSION_HEADER)
+    if not key:
+        raise RequestError("X-Session-ID: the shared base URL needs the episode's key in this header (or use the "
+                           "episode's own base URL)", "X-Session-ID", code="not_found", status=404)
+    return key
 
 
 def is_loopback(host: str) -> bool:
@@ -163,6 +179,24 @@ class Proxy:
         async def completions(key: str, request: Request):
             return await self._handle(key, request, "completions")
 
+        @app.post("/e/{key}/inference/v1/generate")
+        async def generate(key: str, request: Request):
+            return await self._handle(key, request, "generate")
+
+        # One base URL shared by every episode (`http://<host>:<port>/v1`): the episode is the `X-Session-ID` header
+        # (its key), as clients that name their sessions send it.
+        @app.post("/v1/chat/completions")
+        async def shared_chat(request: Request):
+            return await self._handle(_session(request), request, "chat")
+
+        @app.post("/v1/completions")
+        async def shared_completions(request: Request):
+            return await self._handle(_session(request), request, "completions")
+
+        @app.post("/inference/v1/generate")
+        async def shared_generate(request: Request):
+            return await self._handle(_session(request), request, "generate")
+
         @app.get("/e/{key}/v1/models")
         async def models(key: str, request: Request):
             self._episode(key, request)
@@ -216,7 +250,13 @@ class Proxy:
             raise RequestError(f"more than {limit} requests in flight", None, code="rate_limit_exceeded", status=429)
         self._in_flight += 1
         try:
-            return await self._answer(ep, await self._body(request), endpoint)
+            req, reply = await self._answer(ep, await self._body(request), endpoint)
+            if req.stream:
+                from fastapi.responses import StreamingResponse
+
+                return StreamingResponse(iter(list(sse_events(reply, endpoint, req.include_usage))),
+                                         media_type="text/event-stream")
+            return reply
         except RequestError:
             ep.refused += 1
             raise
@@ -227,7 +267,14 @@ class Proxy:
         codec = self.codec
         if codec is None or self.params is None:
             raise RequestError("the proxy is not serving (no collection running)", None, code="not_serving", status=503)
-        req = check_request(body, endpoint, temperature=self.params.temperature)
+        stops = {*self.params.stop_token_ids, codec.tokenizer.eos_token_id} - {None}
+        request_id, mode = "", "tokens"
+        if endpoint == "generate":
+            req, request_id, mode = check_generate(body, temperature=self.params.temperature,
+                                                   top_k=self.params.top_k_logprobs, stop_ids=stops)
+        else:
+            req = check_request(body, endpoint, temperature=self.params.temperature,
+                                top_k=self.params.top_k_logprobs, stop_ids=stops)
         if ep.calls >= self.settings.max_calls:
             raise RequestError(f"this episode made its {self.settings.max_calls} calls (agent.max_calls)", None,
                                code="max_calls")
@@ -237,7 +284,7 @@ class Proxy:
         elif prompt is not None and (min(prompt) < 0 or max(prompt) >= len(codec.tokenizer)):
             raise RequestError("prompt: token ids outside the vocabulary", "prompt")
         try:
-            row, extra, new = ep.place(req.messages, req.tools, prompt, codec)
+            row, extra, new = ep.place(req.messages, req.tools, prompt, codec, req.template_kwargs)
         except Exception as err:  # noqa: BLE001 - the model's chat template refused these messages (a jinja error)
             raise RequestError(f"messages: the model's chat template cannot render them: {type(err).__name__}: "
                                f"{err}", "messages") from err
@@ -249,35 +296,72 @@ class Proxy:
                                f"budget is {self.max_tokens} (agent.max_tokens)", "messages",
                                code="context_length_exceeded")
         row.busy = True
+        context = row.tokens.context() + extra
         try:
-            result = await self.batcher.submit(ep, row.tokens.context() + extra, max_new)
+            result = await self.batcher.submit(ep, context, max_new)
         finally:
             row.busy = False
         if ep.closed:
             raise RequestError("this episode has ended", None, code="episode_ended", status=410)
-        return self._reply(ep, row, extra, new, req, result, endpoint)
+        if endpoint == "generate":
+            return req, self._generated(ep, row, extra, new, req, result, context, request_id, mode)
+        return req, self._reply(ep, row, extra, new, req, result, endpoint, context)
 
-    def _reply(self, ep: ProxyEpisode, row, extra: list[int], new: bool, req, result, endpoint: str) -> dict:
-        """Record the call into its row and answer it in the endpoint's OpenAI shape."""
+    def _generated(self, ep: ProxyEpisode, row, extra: list[int], new: bool, req, result, context: list[int],
+                   request_id: str, mode: str) -> dict:
+        """Record a token-route call into its row and answer it in vLLM's GenerateResponse shape."""
+        tok = self.codec.tokenizer
+        ep.record(row, extra, new, result, tok.eos_token_id)
+        ids = result.response_ids.tolist()
+        choice = {"index": 0, "finish_reason": "length" if result.finish_reason == "length" else "stop",
+                  "stop_reason": None, "token_ids": ids}
+        if mode == "text":
+            choice["text"] = tok.decode(ids, skip_special_tokens=req.skip_special_tokens)
+            choice["logprobs"] = chat_logprobs(result, tok, req.top_logprobs, False) if req.logprobs else None
+        else:
+            choice["logprobs"] = generate_logprobs(result, req.top_logprobs) if req.logprobs else None
+        reply = {"request_id": request_id or f"gen-{ep.key}-{ep.calls}", "model": MODEL_NAME,
+                 "created": int(time.time()), "output_mode": mode, "choices": [choice],
+                 "usage": {"prompt_tokens": len(context), "completion_tokens": len(ids),
+                           "total_tokens": len(context) + len(ids)}}
+        if req.token_ids:
+            reply["prompt_token_ids"] = context
+        return reply
+
+    def _reply(self, ep: ProxyEpisode, row, extra: list[int], new: bool, req, result, endpoint: str,
+               context: list[int]) -> dict:
+        """Record the call into its row and answer it in the endpoint's OpenAI shape (with µ's log-probs and the
+        token ids when asked: `dppo.episodes.proxy_replies`)."""
         tok = self.codec.tokenizer
         ep.record(row, extra, new, result, tok.eos_token_id)
         ids = result.response_ids.tolist()
         text = tok.decode(ids, skip_special_tokens=True)
-        context = len(row.tokens.context())
-        usage = {"prompt_tokens": context - len(ids), "completion_tokens": len(ids), "total_tokens": context}
+        shown = text if req.skip_special_tokens else tok.decode(ids, skip_special_tokens=False)
+        usage = {"prompt_tokens": len(context), "completion_tokens": len(ids), "total_tokens": len(context) + len(ids)}
         ident = f"{ep.key}-{ep.calls}"
+        logprobs = chat_logprobs if endpoint == "chat" else completion_logprobs
+        choice = {"index": 0, "logprobs": logprobs(result, tok, req.top_logprobs, req.tokens_as_ids)
+                  if req.logprobs else None}
+        if req.token_ids:
+            choice["token_ids"] = ids
         if endpoint == "completions":
+            if req.token_ids:
+                choice["prompt_token_ids"] = context
+            finish = "length" if result.finish_reason == "length" else "stop"
             return {"id": f"cmpl-{ident}", "object": "text_completion", "created": int(time.time()),
-                    "model": MODEL_NAME, "usage": usage,
-                    "choices": [{"index": 0, "text": text, "logprobs": None,
-                                 "finish_reason": "length" if result.finish_reason == "length" else "stop"}]}
+                    "model": MODEL_NAME, "usage": usage, "choices": [{**choice, "text": shown, "finish_reason": finish}]}
         message, kind = reply_message(text, ep.tool_calls)
         ep.tool_calls += len(message.get("tool_calls") or [])
         row.remember(req.messages, text, message, new=new)
+        if shown != text and "tool_calls" not in message:
+            message = {**message, "content": shown}
         finish = "length" if result.finish_reason == "length" else kind
-        return {"id": f"chatcmpl-{ident}", "object": "chat.completion", "created": int(time.time()),
-                "model": MODEL_NAME, "usage": usage,
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]}
+        reply = {"id": f"chatcmpl-{ident}", "object": "chat.completion", "created": int(time.time()),
+                 "model": MODEL_NAME, "usage": usage,
+                 "choices": [{**choice, "message": message, "finish_reason": finish}]}
+        if req.token_ids:
+            reply["prompt_token_ids"] = context
+        return reply
 
 
-__all__ = ["MODEL_NAME", "Proxy", "is_loopback"]
+__all__ = ["MODEL_NAME", "SESSION_HEADER", "Proxy", "is_loopback"]

@@ -206,7 +206,7 @@ def test_completion_calls_with_token_ids_join_by_ids(model, tokenizer):
 @pytest.mark.parametrize("body, param", [
     ({"temperature": 0.5}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"n": 2}, "n"),
     ({"logit_bias": {"5": 3}}, "logit_bias"), ({"use_beam_search": True}, "use_beam_search"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"stop": ["\n"]}, "stop"), ({"stream": True}, "stream"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"stop": ["\n"]}, "stop"), ({"stream": "yes"}, "stream"),
     ({"tool_choice": "required"}, "tool_choice"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"frobnicate": 1}, "frobnicate"), ({"max_tokens": 0}, "max_tokens")])
 def test_a_refused_sampling_parameter_gets_the_openai_error_shape(model, tokenizer, body, param):
