@@ -52,6 +52,26 @@ def agent(client, example):
     return float(digits)
 
 
+TOP = 4
+"""µ's top cells recorded per token (SamplingParams.top_k_logprobs) and asked back by `agent_logprobs`."""
+
+
+def agent_logprobs(client, example):
+    """`agent`, asking for what RL clients ask (prime-rl, SkyRL, NeMo Gym): µ and its top cells, the token ids."""
+    messages = [dict(m) for m in example.prompt]
+    digits = 0
+    for t in range(1, TURNS + 1):
+        out = client.chat.completions.create(model="policy", messages=messages, logprobs=True, top_logprobs=TOP,
+                                             extra_body={"return_token_ids": True})
+        assert len(out.choices[0].logprobs.content) == len(out.choices[0].token_ids)
+        reply = out.choices[0].message
+        digits += sum(c.isdigit() for c in reply.content or "")
+        messages.append(reply.model_dump(exclude_none=True))
+        if t < TURNS:
+            messages.append({"role": "tool", "content": f"result {t}"})
+    return float(digits)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", choices=("smollm2", "tiny"))
@@ -81,39 +101,48 @@ def main() -> None:
     here = Path(__file__).resolve()
     examples = [Example(prompt=({"role": "user", "content": f"What is {i} + {2 * i + 3}?"},), answer=str(3 * i + 3))
                 for i in range(args.prompts)]
-    params = SamplingParams(n=args.group, max_new_tokens=args.max_new_tokens, seed=7)
+    params = SamplingParams(n=args.group, max_new_tokens=args.max_new_tokens, seed=7, top_k_logprobs=TOP)
     budget = TURNS * (args.max_new_tokens + 32)
     env = EnvSettings(f"{here}:Loop", max_turns=TURNS, max_tokens=budget, timeout_s=60.0).episodes(
-        max_new_tokens=args.max_new_tokens, max_tokens=budget).collector()
-    proxy = AgentSettings(name=f"{here}:agent", max_calls=TURNS).episodes(
-        max_new_tokens=args.max_new_tokens, max_tokens=budget).collector()
-    times = {"environment": [], "agent": []}
+        max_new_tokens=args.max_new_tokens).collector()
+    proxy = AgentSettings(name=f"{here}:agent", max_calls=TURNS, max_tokens=budget).episodes(
+        max_new_tokens=args.max_new_tokens).collector()
+    asking = AgentSettings(name=f"{here}:agent_logprobs", max_calls=TURNS, max_tokens=budget).episodes(
+        max_new_tokens=args.max_new_tokens).collector()
+    times = {"environment": [], "agent": [], "agent_logprobs": []}
     tokens = {}
     try:
         proxy(engine, examples[:1], params)  # warm-up: starts the proxy (and its HTTP clients)
+        asking(engine, examples[:1], params)
         for _ in range(args.repeats):
-            for side, collect in (("environment", env), ("agent", proxy)):
+            for side, collect in (("environment", env), ("agent", proxy), ("agent_logprobs", asking)):
                 t0 = time.perf_counter()
                 rollouts = collect(engine, examples, params)
                 times[side].append(time.perf_counter() - t0)
                 tokens[side] = sum(int(r.loss_mask.sum()) for r in rollouts)
     finally:
         proxy.close()
+        asking.close()
     episodes = args.prompts * args.group
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["agent"] / med["environment"]
     calls = episodes * TURNS
     print(f"\n{name}; {episodes} episodes x {TURNS} turns, {args.max_new_tokens} new tokens a turn, hf engine; "
           f"median of {args.repeats}")
-    print(f"{'':<26}{'s':>8}{'episodes/s':>12}{'generated tokens':>18}{'vs env':>8}")
-    for side in ("environment", "agent"):
-        print(f"{side + (' (proxy)' if side == 'agent' else ''):<26}{med[side]:>8.2f}{episodes / med[side]:>12.2f}"
+    print(f"{'':<30}{'s':>8}{'episodes/s':>12}{'generated tokens':>18}{'vs env':>8}")
+    labels = {"environment": "environment", "agent": "agent (proxy)", "agent_logprobs": "agent, asks µ + top-4 + ids"}
+    for side in ("environment", "agent", "agent_logprobs"):
+        print(f"{labels[side]:<30}{med[side]:>8.2f}{episodes / med[side]:>12.2f}"
               f"{tokens[side]:>18}{med[side] / med['environment']:>8.2f}")
     overhead_ms = 1000 * (med["agent"] - med["environment"]) / calls
-    print(f"proxy overhead per call: {overhead_ms:.1f} ms ({calls} calls)")
+    asking_ms = 1000 * (med["agent_logprobs"] - med["environment"]) / calls
+    print(f"proxy overhead per call: {overhead_ms:.1f} ms; asking µ, its top-{TOP} and the ids back: {asking_ms:.1f} ms "
+          f"({calls} calls)")
     emit({"benchmark": "proxy", "model": args.model, "episodes": episodes, "turns": TURNS,
           "max_new_tokens": args.max_new_tokens, "seconds": med, "ratio": ratio, "overhead_ms_per_call": overhead_ms,
-          "same_tokens": tokens["environment"] == tokens["agent"], "checks": {"ratio_le_1.3": ratio <= 1.3}})
+          "overhead_ms_per_call_with_logprobs": asking_ms,
+          "same_tokens": tokens["environment"] == tokens["agent"] == tokens["agent_logprobs"],
+          "checks": {"ratio_le_1.3": ratio <= 1.3}})
 
 
 if __name__ == "__main__":

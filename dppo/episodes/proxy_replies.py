@@ -15,8 +15,16 @@ from typing import Iterator
 from dppo.rollout.base import Rollout
 
 
-def _name(tokenizer, token_id: int, as_ids: bool) -> str:
-    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
+def _names(tokenizer, result: Rollout, top: int, as_ids: bool) -> dict[int, str]:
+    """Each token id of the answer (generated, and µ's first `top` cells) -> its name: `token_id:<id>`, or its text
+    (one batched decode)."""
+    ids = set(result.response_ids.tolist())
+    if top and result.rollout_topk_ids is not None:
+        ids |= set(result.rollout_topk_ids[:, :top].flatten().tolist())
+    ids = sorted(ids)
+    if as_ids:
+        return {i: f"token_id:{i}" for i in ids}
+    return dict(zip(ids, tokenizer.batch_decode([[i] for i in ids])))
 
 
 def _cells(result: Rollout, t: int, n: int) -> list[tuple[int, float]]:
@@ -29,24 +37,22 @@ def _cells(result: Rollout, t: int, n: int) -> list[tuple[int, float]]:
 
 def chat_logprobs(result: Rollout, tokenizer, top: int, as_ids: bool) -> dict:
     """`choices[].logprobs` of a chat completion: one entry per generated token."""
-    content = []
+    content, names = [], _names(tokenizer, result, top, as_ids)
     for t, (token_id, logp) in enumerate(zip(result.response_ids.tolist(), result.rollout_logp.tolist())):
-        name = _name(tokenizer, token_id, as_ids)
-        tops = [{"token": (n := _name(tokenizer, i, as_ids)), "logprob": lp, "bytes": list(n.encode())}
-                for i, lp in _cells(result, t, top)]
+        name = names[token_id]
+        tops = [{"token": names[i], "logprob": lp, "bytes": list(names[i].encode())} for i, lp in _cells(result, t, top)]
         content.append({"token": name, "logprob": logp, "bytes": list(name.encode()), "top_logprobs": tops})
     return {"content": content, "refusal": None}
 
 
 def completion_logprobs(result: Rollout, tokenizer, top: int, as_ids: bool) -> dict:
     """`choices[].logprobs` of a (legacy) completion: parallel lists, `top_logprobs` one {token: logprob} per token."""
-    tokens, offsets, offset = [], [], 0
+    tokens, offsets, offset, names = [], [], 0, _names(tokenizer, result, top, as_ids)
     for token_id in result.response_ids.tolist():
-        tokens.append(_name(tokenizer, token_id, as_ids))
+        tokens.append(names[token_id])
         offsets.append(offset)
         offset += len(tokens[-1])
-    tops = [{_name(tokenizer, i, as_ids): lp for i, lp in _cells(result, t, top)} or None
-            for t in range(len(tokens))] if top else None
+    tops = [{names[i]: lp for i, lp in _cells(result, t, top)} or None for t in range(len(tokens))] if top else None
     return {"tokens": tokens, "token_logprobs": result.rollout_logp.tolist(), "top_logprobs": tops,
             "text_offset": offsets}
 

@@ -163,7 +163,7 @@ def test_openai_stream_true_gets_the_whole_answer_and_the_usage(model, tokenizer
     assert len(usage) == 1 and usage[0].completion_tokens == len(generated)
     assert usage[0].prompt_tokens + len(generated) == usage[0].total_tokens
     lp = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
-    assert len(lp) == 1 and len(lp[0].content) == len(generated)
+    assert len(lp) == 1 and [c.token for c in lp[0].content] == [tokenizer.decode([t]) for t in generated]
 
 
 def test_a_raw_sse_reader_parses_a_completions_stream(model, tokenizer):
