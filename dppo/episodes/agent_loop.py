@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from dppo.episodes.agent_service import service_agent
 from dppo.episodes.proxy import Proxy
 from dppo.episodes.results import episode_metrics
 from dppo.rollout.base import Rollout, SamplingParams
@@ -83,6 +84,9 @@ class AgentEpisodes:
 
     def check(self, example) -> str | None:
         s = self.settings
+        if s.url:
+            return (f"[dppo] agent service {s.url} (each episode posted to it) through the OpenAI-compatible proxy "
+                    f"on {s.host} (a base URL per episode)")
         kind = "async" if inspect.iscoroutinefunction(load_agent(s.name)) else "sync"
         return (f"[dppo] agent {s.name!r} ({kind}) through the OpenAI-compatible proxy on {s.host} "
                 f"(a base URL per episode); it runs with this process's rights")
@@ -126,7 +130,8 @@ class AgentCollector:
 
     def __call__(self, engine, examples: Sequence, params: SamplingParams) -> list[Rollout]:
         if self.proxy is None:
-            self._fn = load_agent(self.settings.name)
+            s = self.settings
+            self._fn = service_agent(s.url, retries=s.post_retries) if s.url else load_agent(s.name)
             self.proxy = Proxy(self.settings)
             self.proxy.start()
         proxy = self.proxy
@@ -163,6 +168,7 @@ class AgentCollector:
         import openai
 
         s, fn, url = self.settings, self._fn, self.proxy.base_url(ep)
+        label = s.url or s.name
         common = {"base_url": url, "api_key": self.proxy.key, "max_retries": 0, "timeout": s.timeout_s}
         http_sync, http_async = self._http()  # (shared: a new client per episode costs ~30 ms of SSL set-up)
         try:
@@ -173,17 +179,17 @@ class AgentCollector:
                 client = openai.OpenAI(**common, http_client=http_sync)
                 value = await asyncio.wait_for(asyncio.wrap_future(_in_thread(fn, client, ep.example)), s.timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
-            ep.timed_out, ep.error = True, f"agent {s.name!r}: timed out after {s.timeout_s:g}s"
+            ep.timed_out, ep.error = True, f"agent {label!r}: timed out after {s.timeout_s:g}s"
             return
         except Exception as err:  # noqa: BLE001 - contained: the episode ends, counted and named
-            ep.error = f"agent {s.name!r}: {type(err).__name__}: {err}"[:2000]
+            ep.error = f"agent {label!r}: {type(err).__name__}: {err}"[:2000]
             return
         if value is None:
             value = ep.posted
         if value is None:
-            ep.error = f"agent {s.name!r}: returned None and posted no reward"
+            ep.error = f"agent {label!r}: returned None and posted no reward"
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            ep.error = f"agent {s.name!r}: returned {value!r:.100}, expected a finite number (the reward)"
+            ep.error = f"agent {label!r}: returned {value!r:.100}, expected a finite number (the reward)"
         else:
             ep.reward = float(value)
 

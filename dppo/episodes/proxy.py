@@ -124,7 +124,8 @@ class Proxy:
             self._server = None
 
     def base_url(self, episode: ProxyEpisode) -> str:
-        host = self.settings.host if self.settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        host = self.settings.advertise_host or (
+            self.settings.host if self.settings.host not in ("0.0.0.0", "::") else "127.0.0.1")
         return f"http://{host}:{self.port}/e/{episode.key}/v1"
 
     def open(self, prompt_index: int, example) -> ProxyEpisode:

@@ -125,6 +125,14 @@ class AgentSettings:
     key (`Authorization: Bearer`, passed as the client's api_key)."""
     port: int = 0
     """The proxy's port (0 = a free one)."""
+    url: str = ""
+    """An agent behind HTTP instead of a function (dppo.episodes.agent_service): each episode is posted to this URL
+    (http:// or https://) with the episode's base URL and key; the service answers its reward. Exclusive with name."""
+    post_retries: int = 2
+    """A post that did not reach the agent service (connection refused, 502/503/504) is sent again this many times."""
+    advertise_host: str = ""
+    """The host in the base URLs agents get ('' = host; 127.0.0.1 when host is 0.0.0.0): set it to this machine's
+    address when the agent service runs on another one."""
     max_request_bytes: int = 1 << 20
     """Largest request body the proxy reads (413 past it)."""
     max_concurrent_requests: int = 256
@@ -145,6 +153,12 @@ class AgentSettings:
             _fail("agent.port", f"expected 0..65535, got {self.port}")
         _positive("agent", timeout_s=self.timeout_s, max_request_bytes=self.max_request_bytes,
                   max_concurrent_requests=self.max_concurrent_requests)
+        if self.name and self.url:
+            _fail("agent.url", "an agent is a function (agent.name) or a service (agent.url), not both")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            _fail("agent.url", f"expected an http:// or https:// URL, got {self.url!r}")
+        if self.post_retries < 0:
+            _fail("agent.post_retries", f"expected >= 0, got {self.post_retries}")
         if self.name and ":" not in self.name:
             _fail("agent.name", f"expected 'module:function' or 'path/to/file.py:function', got {self.name!r}")
         if self.max_tokens < 1:
@@ -164,9 +178,9 @@ class AgentSettings:
     def episodes(self, *, max_new_tokens: int, reward=None) -> AgentEpisodes:
         """The agent's episodes, each of its rows holding up to max_tokens response tokens (each call's tokens are
         capped by the sampling parameters' max_new_tokens). The agent scores each episode."""
-        if not self.name:
+        if not self.name and not self.url:
             _fail("agent.name", "rollout.episodes agent needs an agent ('module:function' or "
-                                "'path/to/file.py:function')")
+                                "'path/to/file.py:function', or a service: agent.url)")
         return AgentEpisodes(self)
 
 

@@ -104,5 +104,5 @@ def resolution_notes(requested: Config) -> list[str]:
     settings = requested.episode_settings
     if settings.scored_by_task or not requested.task.reward:
         return []
-    return [f"[dppo] task.reward {requested.task.reward!r} is not used: {settings.noun} {settings.name!r} scores "
+    return [f"[dppo] task.reward {requested.task.reward!r} is not used: {settings.noun} {settings.name or getattr(settings, 'url', '')!r} scores "
             f"each episode (config.yaml records reward '')"]
