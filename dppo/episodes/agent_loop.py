@@ -43,10 +43,15 @@ COUNTERS = ("turns", "tool_calls", "rows", "refused_calls")
 model's tool calls, rows, calls the proxy refused."""
 
 
+AGENTS = {"verifiers": "dppo.episodes.verifiers:agent"}
+"""Built-in agents by name: `verifiers` plays a verifiers v1 taskset's tasks (--task.name verifiers) with verifiers'
+own harness and client (`dppo.episodes.verifiers`)."""
+
+
 def load_agent(name: str):
-    """The agent function `name` ('module:function' or 'path/to/file.py:function'), checked to take (client,
-    example); ValueError naming it otherwise."""
-    fn, _ = load_object(name, kind="agent")
+    """The agent function `name` (a built-in of AGENTS, 'module:function' or 'path/to/file.py:function'), checked to
+    take (client, example); ValueError naming it otherwise."""
+    fn, _ = load_object(AGENTS.get(name, name), kind="agent")
     if not callable(fn):
         raise ValueError(f"agent {name!r}: not callable")
     try:
@@ -210,4 +215,4 @@ def _in_thread(fn, client, example) -> Future:
     return out
 
 
-__all__ = ["AgentCollector", "AgentEpisodes", "COUNTERS", "load_agent"]
+__all__ = ["AGENTS", "AgentCollector", "AgentEpisodes", "COUNTERS", "load_agent"]

@@ -59,11 +59,13 @@ def completion_logprobs(result: Rollout, tokenizer, top: int, as_ids: bool) -> d
 
 def generate_logprobs(result: Rollout, top: int) -> dict:
     """`choices[].logprobs` of the token route (vLLM's GenerateLogProbs): token ids, not strings; `top_logprobs` a
-    list ranked by µ."""
+    list ranked by µ. Each entry also names its token `token_id:<id>`, the form `renderers` (verifiers' TrainClient,
+    prime-rl) checks against the returned ids."""
     content = []
     for t, (token_id, logp) in enumerate(zip(result.response_ids.tolist(), result.rollout_logp.tolist())):
-        tops = [{"token_id": i, "logprob": lp, "rank": rank} for rank, (i, lp) in enumerate(_cells(result, t, top), 1)]
-        content.append({"token_id": token_id, "logprob": logp, "top_logprobs": tops})
+        tops = [{"token_id": i, "token": f"token_id:{i}", "logprob": lp, "rank": rank}
+                for rank, (i, lp) in enumerate(_cells(result, t, top), 1)]
+        content.append({"token_id": token_id, "token": f"token_id:{token_id}", "logprob": logp, "top_logprobs": tops})
     return {"content": content}
 
 

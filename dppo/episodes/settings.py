@@ -28,7 +28,7 @@ from dppo._checks import config_fail as _fail
 from dppo._checks import config_json_object as _json_object
 from dppo._checks import config_positive as _positive
 from dppo._extras import require_extra
-from dppo.episodes.agent_loop import AgentEpisodes
+from dppo.episodes.agent_loop import AGENTS, AgentEpisodes
 from dppo.episodes.env_loop import EnvEpisodes
 from dppo.episodes.single import SingleAnswer
 
@@ -110,7 +110,7 @@ class AgentSettings:
 
     name: str = ""
     """The agent function, `module:function` or `path/to/file.py:function` (sync: gets an openai.OpenAI; async:
-    an openai.AsyncOpenAI)."""
+    an openai.AsyncOpenAI), or a built-in: `verifiers` (a verifiers v1 taskset, --task.name verifiers)."""
     max_calls: int = 16
     """Calls per episode; past it a call is refused (the agent sees an OpenAI error)."""
     max_tokens: int = 256
@@ -159,8 +159,9 @@ class AgentSettings:
             _fail("agent.url", f"expected an http:// or https:// URL, got {self.url!r}")
         if self.post_retries < 0:
             _fail("agent.post_retries", f"expected >= 0, got {self.post_retries}")
-        if self.name and ":" not in self.name:
-            _fail("agent.name", f"expected 'module:function' or 'path/to/file.py:function', got {self.name!r}")
+        if self.name and ":" not in self.name and self.name not in AGENTS:
+            _fail("agent.name", f"expected a built-in agent ({', '.join(AGENTS)}), 'module:function' or "
+                                f"'path/to/file.py:function', got {self.name!r}")
         if self.max_tokens < 1:
             _fail("agent.max_tokens", f"expected >= 1, got {self.max_tokens}")
 

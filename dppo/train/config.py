@@ -488,6 +488,13 @@ class Config:
             _fail("rollout.devices", f"{workers} rollout workers but rollout.prompts_per_step = "
                                      f"{self.rollout.prompts_per_step}: every worker needs at least one prompt per step")
         check_episodes(self)
+        verifiers_agent = self.rollout.episodes == "agent" and self.agent.name == "verifiers"
+        if verifiers_agent and self.task.name != "verifiers":
+            _fail("agent.name", f"agent 'verifiers' plays the tasks of task.name verifiers, got task.name "
+                                f"{self.task.name!r}")
+        if self.task.name == "verifiers" and not verifiers_agent:
+            _fail("task.name", "a verifiers taskset is played by verifiers' harness and scored by its rewards: run it "
+                               "with rollout.episodes agent and agent.name verifiers")
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
             _fail("loss.anchor", "drpo has no mask to anchor")
         if self.rollout.vllm_server.lora_sync == "adapter" and not self.model.lora_rank:
