@@ -48,6 +48,8 @@ from dppo.rewards.registry import get_reward
 DEFAULT_SYSTEM = "You are a helpful assistant. Use the tools when they help, then reply with the final answer."
 REWARD_TOOL = "tool:"
 """The prefix of a `reward` that names a tool of the server."""
+CANCEL_AFTER_S = 1.0
+"""A call still running this long after its tool_timeout_s is cancelled on the server (ToolEnv answered it already)."""
 _MAX_PAGES = 100  # tools/list pages read at most (a paginator that never ends cannot hang the start)
 
 
@@ -189,7 +191,9 @@ class MCPTool:
                                                              "parameters": tool.input_schema}}
 
     def __call__(self, **arguments: Any) -> str:
-        return self.session.call(self.__name__, arguments, self.timeout_s)
+        # `call_tool` (ToolEnv.step) answers a timeout at timeout_s; its abandoned thread cancels the request a
+        # little later, so that the two clocks never race for which one names the timeout
+        return self.session.call(self.__name__, arguments, self.timeout_s + CANCEL_AFTER_S)
 
     def __repr__(self) -> str:
         return f"MCPTool({self.__name__!r})"

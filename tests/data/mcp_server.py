@@ -55,6 +55,12 @@ def score(answer: str, gold: str) -> float:
     return float(answer.strip().endswith(gold))
 
 
+@server.tool()
+def digits(answer: str, gold: str) -> float:
+    """The fraction of the answer's characters that are digits (a reward a random model moves)."""
+    return sum(c.isdigit() for c in answer) / max(len(answer), 1)
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--http":
         server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
