@@ -67,13 +67,17 @@ class MCPSession:
     def __init__(self, server: Any, *, option: str, connect_timeout_s: float) -> None:
         from mcp import Client  # (optional, heavy: imported when a session is built)
 
+        try:
+            client = Client(server)
+        except Exception as err:  # noqa: BLE001 - what the client refuses, named
+            raise ValueError(f"{option}: {_describe(err)}") from None
         self.pid, self.error = os.getpid(), None
         self._client, self._ended = None, threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dppo-mcp", daemon=True)
         self._thread.start()
         ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._main = asyncio.run_coroutine_threadsafe(self._serve(Client(server), ready), self._loop)
+        self._main = asyncio.run_coroutine_threadsafe(self._serve(client, ready), self._loop)
         try:
             self.tools = ready.result(timeout=connect_timeout_s)
         except concurrent.futures.TimeoutError:
@@ -116,7 +120,7 @@ class MCPSession:
         """tools/call `name`: the result as text; MCPToolError for an error result or a server that cannot answer,
         TimeoutError past `timeout_s` (the request is then cancelled)."""
         client = self._client
-        if not self.alive or client is None or self.error is not None:
+        if client is None or not self.alive:
             raise MCPToolError(f"the MCP server is gone ({_describe(self.error) if self.error else 'closed'})")
         future = asyncio.run_coroutine_threadsafe(client.call_tool(name, arguments), self._loop)
         try:
@@ -243,11 +247,14 @@ def connect(*, command=None, url=None, env=None, cwd=None, connect_timeout_s: fl
     try:
         import mcp  # noqa: F401
     except ImportError:
-        raise ValueError("command: the mcp environment needs the 'mcp' package (2.x): pip install 'mcp>=2'") from None
+        raise ValueError(f"{'url' if url is not None else 'command'}: the mcp environment needs the 'mcp' package "
+                         f"(2.x): pip install 'mcp>=2'") from None
     key, server, option = _connection(command, url, env, cwd)
     with _SESSIONS_LOCK:
         session = _SESSIONS.get(key)
         if session is None or not session.alive:
+            if session is not None:
+                session.close()  # (its server is gone: end its loop thread too)
             session = _SESSIONS[key] = MCPSession(server, option=option, connect_timeout_s=connect_timeout_s)
     return session
 

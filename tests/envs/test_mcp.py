@@ -74,6 +74,9 @@ def test_calls_are_tool_messages_and_errors_timeouts_and_caps_are_answers_counte
     # (truncated: the big output, and the long unknown-tool and validation messages)
     assert step.info == {"tool_calls": 6.0, "tool_errors": 4.0, "tool_timeouts": 1.0, "tool_truncated": 3.0}
     assert env.step(call("add", a=1, b=1)).messages[0]["content"] == "2"  # the timed-out call did not stall it
+    with pytest.raises(TimeoutError, match="tool slow timed out after 0.2s"):  # cancelled on the server, which
+        factory.session.call("slow", {"seconds": 5}, timeout_s=0.2)            # answers the next call as before
+    assert factory.session.call("add", {"a": 2, "b": 2}, timeout_s=5) == "4"
     final = env.step("The answer is 5")  # no tool call: the final answer, scored by last_number (the default)
     assert final.done and final.reward == 1.0
 
@@ -145,13 +148,20 @@ def test_a_server_that_dies_is_an_error_message_and_the_next_factory_connects_an
     ({"command": ["/no/such/mcp-server"]}, r"command: cannot connect to the MCP server: .*No such file"),
     ({"command": [sys.executable, "-c", "pass"]}, r"command: cannot connect to the MCP server: MCPError: Connection "
                                                   r"closed"),
-    ({"command": [sys.executable, "-c", "import time; time.sleep(30)"], "connect_timeout_s": 1},
+    ({"command": [sys.executable, "-c", "import sys; sys.stdin.read()"], "connect_timeout_s": 1},  # never answers
      r"command: no MCP handshake and tools/list within connect_timeout_s=1s"),
     ({"url": "http://127.0.0.1:1/mcp"}, r"url: cannot connect to the MCP server: ConnectError"),
 ])
 def test_bad_options_and_unreachable_servers_fail_at_make_environment_naming_the_option(options, match):
     with pytest.raises(ValueError, match=rf"^environment 'mcp': {match}"):
         make_environment("mcp", **options)
+
+
+def test_without_the_mcp_package_the_error_names_the_option_and_the_fix(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mcp", None)  # (import mcp raises ImportError)
+    with pytest.raises(ValueError, match=r"^environment 'mcp': url: the mcp environment needs the 'mcp' package "
+                                         r"\(2\.x\): pip install 'mcp>=2'$"):
+        make_environment("mcp", url="http://127.0.0.1:1/mcp")
 
 
 def _free_port() -> int:
