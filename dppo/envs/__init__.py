@@ -1,12 +1,18 @@
 """Environments of multi-turn episodes: the protocol (`dppo.envs.base`), tools (`dppo.envs.tools`), the sandbox
-for model-written code (`dppo.envs.sandbox`) and the built-ins (`dppo.envs.builtin`).
+for model-written code (`dppo.envs.sandbox`), the built-ins (`dppo.envs.builtin`) and an MCP server's tools
+(`dppo.envs.mcp`).
 
     factory = make_environment("calculator", max_tool_chars=500)   # checked now: options, the class
     env = factory()                                                 # one fresh Environment per episode
 
-Built-in names (`ENVIRONMENTS`): calculator, python, feedback. A user environment by import path:
+Built-in names (`ENVIRONMENTS`): calculator, python, feedback, and mcp (the tools of an MCP server, stdio or
+HTTP: `make_environment("mcp", command=["python", "server.py"])`). A user environment by import path:
 `make_environment("mypkg.envs:MyEnv")` or `make_environment("path/to/file.py:MyEnv")` (a subclass of
 `Environment`, or any class with `reset(example)` and `step(reply)`). docs/agents.md has a 20-line example.
+
+A class with a `factory(**options)` classmethod builds its own factory: `make_environment` returns what that returns
+(a callable giving one fresh environment per call), so the factory can hold what the episodes share, e.g. `mcp`'s
+one server session.
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ from typing import Any
 
 from dppo.envs.base import EnvStep, Environment, ToolEnv
 from dppo.envs.builtin import CalculatorEnv, FeedbackEnv, PythonEnv
+from dppo.envs.mcp import MCPEnv
 from dppo.runtime.plugins import is_import_path, load_object
 
 ENVIRONMENTS: dict[str, type] = {
     "calculator": CalculatorEnv,
     "python": PythonEnv,
     "feedback": FeedbackEnv,
+    "mcp": MCPEnv,
 }
 
 
@@ -40,19 +48,22 @@ def environment_class(name: str) -> type:
 
 
 def make_environment(name: str, **options: Any) -> Callable[[], Environment]:
-    """A factory of fresh environments `name` with `options`. One instance is built now, so unknown or invalid
-    options fail here (ValueError naming the environment), before any model loads."""
+    """A factory of fresh environments `name` with `options`: the class's own `factory(**options)` classmethod's
+    result when it has one, else one instance is built now. Either way unknown or invalid options fail here
+    (ValueError naming the environment), before any model loads."""
     cls = environment_class(name)
-    params = inspect.signature(cls).parameters
+    own = isinstance(inspect.getattr_static(cls, "factory", None), classmethod)
+    build = cls.factory if own else cls
+    params = inspect.signature(build).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         unknown = sorted(set(options) - set(params))
         if unknown:
             raise ValueError(f"environment {name!r}: unknown option(s) {unknown}; accepted: {list(params)}")
     try:
-        cls(**options)
+        made = build(**options)
     except (TypeError, ValueError) as err:
         raise ValueError(f"environment {name!r}: {err}") from err
-    return lambda: cls(**options)
+    return made if own else (lambda: cls(**options))
 
 
 __all__ = ["ENVIRONMENTS", "EnvStep", "Environment", "ToolEnv", "environment_class", "make_environment"]

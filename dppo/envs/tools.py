@@ -2,7 +2,8 @@
 
 A tool is a plain Python function (or bound method) with type hints and a Google-style docstring. The pieces:
 
-* `tool_schema(fn)`: its OpenAI/HF JSON schema (built by `transformers.utils.get_json_schema`);
+* `tool_schema(fn)`: its OpenAI/HF JSON schema (built by `transformers.utils.get_json_schema`), or the schema a
+  callable carries in its `tool_schema` attribute (a tool defined elsewhere, e.g. an MCP server's: `dppo.envs.mcp`);
 * `render_tools_prompt` / `template_supports_tools` / `render_messages_with_tools`: put the schemas in front of
   the model, through the chat template's own `tools=` support or, for templates without it (ChatML, SmolLM2), as
   the Hermes-convention text merged into the system prompt;
@@ -33,13 +34,23 @@ __all__ = ["ToolCall", "ToolResult", "calculate", "call_tool", "format_tool_mess
 
 
 def tool_schema(fn: Callable) -> dict:
-    """The OpenAI/HF-style JSON schema of `fn` (``{"type": "function", "function": {...}}``).
+    """The OpenAI/HF-style JSON schema of `fn` (``{"type": "function", "function": {...}}``): the dict in its
+    `tool_schema` attribute when it carries one (passed through unchanged), else built from its signature and
+    docstring.
 
-    Raises ValueError naming the function when its docstring or type hints do not describe every argument.
+    Raises ValueError naming the function when its docstring or type hints do not describe every argument, or when
+    the schema it carries is not of that form.
     """
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
+    carried = getattr(fn, "tool_schema", None)
+    if carried is not None:
+        function = carried.get("function") if isinstance(carried, dict) else None
+        if not (carried.get("type") == "function" and isinstance(function, dict) and function.get("name")):
+            raise ValueError(f"tool {name}: its tool_schema attribute is not {{'type': 'function', 'function': "
+                             f"{{'name': ..., ...}}}}: {carried!r:.200}")
+        return carried
     from transformers.utils import get_json_schema  # transformers is heavy: import on first use
 
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", repr(fn))
     try:
         return get_json_schema(fn)
     except Exception as e:  # DocstringParsingException, TypeHintParsingException (plain Exceptions)

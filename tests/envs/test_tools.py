@@ -101,6 +101,22 @@ def test_schema_errors_name_the_function():
             tool_schema(fn)
 
 
+def test_a_callable_carrying_its_schema_is_passed_through_and_a_malformed_one_is_refused():
+    """A tool defined elsewhere (an MCP server's, `dppo.envs.mcp`) carries its JSON schema: used unchanged, even where
+    the signature and docstring would not give one."""
+    schema = {"type": "function", "function": {"name": "lookup", "description": "Look up a key.",
+                                               "parameters": {"type": "object", "properties": {"key-name": {}}}}}
+
+    def lookup(**arguments):
+        return arguments
+
+    lookup.tool_schema = schema
+    assert tool_schema(lookup) is schema
+    lookup.tool_schema = {"type": "function", "function": {"description": "no name"}}
+    with pytest.raises(ValueError, match=r"^tool .*lookup: its tool_schema attribute is not"):
+        tool_schema(lookup)
+
+
 # --- parsing ---------------------------------------------------------------------------------------------------
 
 
