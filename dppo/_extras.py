@@ -10,6 +10,11 @@ from dppo._checks import config_fail
 EXTRAS: dict[str, tuple[str, ...]] = {
     # rollout.episodes agent: the recording proxy (FastAPI on uvicorn) and the clients agents get (httpx, openai)
     "agents": ("fastapi", "uvicorn", "httpx", "openai"),
+    # environments from the field: a verifiers v1 taskset (task.name verifiers), an MCP server's tools (env.name mcp),
+    # an OpenEnv environment (env.name openenv)
+    "verifiers": ("verifiers",),
+    "mcp": ("mcp",),
+    "openenv": ("openenv",),
 }
 """Extra -> the modules it provides, each the import name of a distribution the extra lists (one name for both)."""
 

@@ -44,3 +44,12 @@ def test_agent_episodes_without_a_package_of_the_agents_extra_are_refused_naming
 def test_single_answer_episodes_do_not_need_the_agents_extra(monkeypatch):
     monkeypatch.setitem(_extras.EXTRAS, "agents", ("dppo_no_such_module_for_the_test",))
     assert Config().rollout.episodes == "single"
+
+
+def test_a_verifiers_taskset_without_verifiers_installed_is_refused_naming_field_and_extra(monkeypatch):
+    monkeypatch.setitem(_extras.EXTRAS, "verifiers", ("dppo_no_such_module_for_the_test",))
+    cfg = _agent_config()
+    with pytest.raises(ConfigError, match=r"^task\.name: a verifiers v1 taskset needs dppo_no_such_module_for_the_test "
+                                          r"\(not installed\): pip install 'dppo\[verifiers\]'$"):
+        dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, name="verifiers"),
+                            agent=AgentSettings(name="verifiers"))

@@ -116,6 +116,12 @@ class AgentCollector:
         self.__init__(state["settings"])
 
     def close(self) -> None:
+        closing = getattr(getattr(self, "_fn", None), "close", None)  # an agent's own clean-up (e.g. `verifiers`)
+        if self.proxy is not None and self.proxy.loop is not None and inspect.iscoroutinefunction(closing):
+            try:
+                asyncio.run_coroutine_threadsafe(closing(), self.proxy.loop).result(30)
+            except Exception as err:  # noqa: BLE001 - a failed clean-up must not hide the run's result
+                print(f"[dppo] agent clean-up failed: {type(err).__name__}: {err}", flush=True)
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None

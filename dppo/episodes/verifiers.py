@@ -143,4 +143,7 @@ async def agent(client, example) -> float:
     return episode_reward(await play(client, example))
 
 
+agent.close = close_all  # the agent loop leaves the serving environments on the proxy's loop when the run ends
+
+
 __all__ = ["KEY_VARIABLE", "agent", "client_config", "close_all", "env_config", "episode_reward", "play"]

@@ -168,5 +168,8 @@ class EngineSource(RolloutSource):
         return stamp(self.collect(self.engine, examples, params), self.version)
 
     def close(self) -> None:
+        closing = getattr(self.collect, "close", None)  # an episode collector's own servers (the agents' proxy)
+        if callable(closing):
+            closing()
         self.engine.close()
 

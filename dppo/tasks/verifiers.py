@@ -15,8 +15,9 @@ its config, the task's index, and the run's choice of verifiers harness (`harnes
 verifiers' `null` chat harness) and client (`client`: `eval` = chat completions, `train` = the token route through
 `renderers`, which tokenises with `tokenizer`). The agent `verifiers` (`dppo.episodes.verifiers`) plays them.
 
-Held out, disjoint by task: the tasks in a seeded order, the first `eval_size` distinct ones (by verifiers' content
-key) to evaluation, the next `size` to training (`dppo.tasks.base.split_distinct`).
+Held out, disjoint by task: the tasks in a seeded order (`shuffle: false`: the taskset's own order, for a taskset that
+lists its held-out tasks first), the first `eval_size` distinct ones (by verifiers' content key) to evaluation, the
+next `size` to training (`dppo.tasks.base.split_distinct`).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def _prompt(data) -> tuple:
 
 
 def verifiers_task(taskset: str = "", config: dict[str, Any] | None = None, harness: str = "", client: str = "eval",
-                   tokenizer: str = "", size: int = 1000, eval_size: int = 0, seed: int = 0) -> Task:
+                   tokenizer: str = "", size: int = 1000, eval_size: int = 0, seed: int = 0,
+                   shuffle: bool = True) -> Task:
     """The examples of a verifiers taskset (module docstring); options checked here, before any model loads."""
     if not taskset:
         raise ValueError('task.options.taskset: the verifiers taskset to train, e.g. {"taskset": "my_taskset"}')
@@ -101,7 +103,8 @@ def verifiers_task(taskset: str = "", config: dict[str, Any] | None = None, harn
     config_json = json.dumps(config or {}, sort_keys=True)
     tasks = load_tasks(taskset, config_json)
     order = list(range(len(tasks)))
-    random.Random(seed).shuffle(order)
+    if shuffle:
+        random.Random(seed).shuffle(order)
     spec = {"taskset": taskset, "config": config or {}, "harness": harness, "client": client, "tokenizer": tokenizer}
 
     def example(i: int) -> Example:

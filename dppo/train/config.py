@@ -21,6 +21,7 @@ import yaml
 
 from dppo._checks import ConfigError
 from dppo._checks import config_fail as _fail
+from dppo._extras import require_extra
 from dppo._checks import config_json_object as _json_object
 from dppo._checks import config_positive as _positive
 from dppo.advantages import ADVANTAGES
@@ -489,6 +490,9 @@ class Config:
                                      f"{self.rollout.prompts_per_step}: every worker needs at least one prompt per step")
         check_episodes(self)
         verifiers_agent = self.rollout.episodes == "agent" and self.agent.name == "verifiers"
+        if self.task.name == "verifiers" or verifiers_agent:
+            require_extra("verifiers", "task.name" if self.task.name == "verifiers" else "agent.name",
+                          "a verifiers v1 taskset")
         if verifiers_agent and self.task.name != "verifiers":
             _fail("agent.name", f"agent 'verifiers' plays the tasks of task.name verifiers, got task.name "
                                 f"{self.task.name!r}")

@@ -170,6 +170,8 @@ def test_the_trainer_trains_two_steps_on_a_verifiers_taskset(tmp_path, taskset):
         metrics = [trainer.step() for _ in range(2)]
     finally:
         trainer.close()
+    from dppo.episodes import verifiers as agent_module
+    assert not agent_module._SERVING  # the run's end left verifiers' serving environment (its servers stopped)
     errors = [line for line in (tmp_path / "samples.jsonl").read_text().splitlines() if "<error>" in line]
     assert all(m["episode/env_errors"] == 0 for m in metrics), [e[e.index("<error>"):][:400] for e in errors]
     assert all(m["episode/turns_mean"] >= 1 for m in metrics)
