@@ -16,12 +16,11 @@ one JSON line (docs/agents.md "Bring your own agent" quotes it).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
-from common import emit  # benchmarks/ is on sys.path when a benchmark runs as a script
+from common import emit, train_arm  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 MARGIN = 0.25
 """The agent's pass@1 after RL must beat its warm start's by this much."""
@@ -32,22 +31,13 @@ TOLERANCE = 0.25
 def run_arm(preset: str, sft: Path, out: Path, args) -> dict:
     from dppo.train.config import replace
     from dppo.train.presets import get_preset
-    from dppo.train.trainer import Trainer
 
     train = {"eval_before": True, "eval_samples_per_prompt": args.eval_samples,
              **({"steps": args.steps} if args.steps else {})}
     model = {"name": str(sft), **({"precision": args.precision} if args.precision else {})}
     cfg = replace(get_preset(preset), model=model, train=train, task={"eval_size": args.eval_size},
                   log={"tensorboard": False, "progress": False, "run_dir": str(out)})
-    t0 = time.perf_counter()
-    with Trainer(cfg, out) as trainer:
-        results = trainer.train()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"before": results["eval_before"], "after": results["eval_after"], "wall_s": time.perf_counter() - t0,
-            "step_s": sorted(r["perf/step_s"] for r in rows)[len(rows) // 2],
-            "generation_s": sorted(r["perf/generation_s"] for r in rows)[len(rows) // 2],
-            "training_reward": [round(r["reward/mean"], 3) for r in rows],
-            "tool_calls": [round(r.get("episode/tool_calls_mean", 0.0), 2) for r in rows]}
+    return train_arm(cfg, out)
 
 
 def main() -> None:

@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
-from common import ROOT, emit  # benchmarks/ is on sys.path when a benchmark runs as a script
+from common import ROOT, emit, train_arm  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 MARGIN = 0.25
 """The verifiers arm's pass@1 after RL must beat its start's by this much."""
@@ -52,18 +51,7 @@ def arm_config(name: str, args, out: Path):
 
 
 def run_arm(name: str, args, out: Path) -> dict:
-    from dppo.train.trainer import Trainer
-
-    cfg = arm_config(name, args, out)
-    t0 = time.perf_counter()
-    with Trainer(cfg, out) as trainer:
-        results = trainer.train()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"before": results["eval_before"], "after": results["eval_after"], "wall_s": time.perf_counter() - t0,
-            "step_s": sorted(r["perf/step_s"] for r in rows)[len(rows) // 2],
-            "generation_s": sorted(r["perf/generation_s"] for r in rows)[len(rows) // 2],
-            "training_reward": [round(r["reward/mean"], 3) for r in rows],
-            "episode_errors": sum(r.get("episode/env_errors", 0) for r in rows)}
+    return train_arm(arm_config(name, args, out), out)
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ sys.path when a benchmark runs as a script), and no benchmark imports another.
 - `timed(fn)`: wall seconds of one call; `peak_rss_gib()`: this process's peak resident memory;
 - `demo_steps(...)`: `dppo train --preset demo` in its own process, its metric rows;
   `child_result(cmd, label)`: a benchmark child process's `RESULT {json}` line;
+- `train_arm(cfg, out)`: one training run with evaluation before and after, summarised (the learning benchmarks);
 - `emit(payload)`: the one JSON line a benchmark ends with.
 """
 
@@ -214,6 +215,23 @@ def cpu_name() -> str:
             return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.processor())
     except OSError:
         return platform.processor()
+
+
+def train_arm(cfg, out: Path) -> dict:
+    """Train `cfg` (its train.eval_before set) into `out`: held-out results before and after, wall seconds, median
+    step and generation seconds, the training reward, tool calls and episode errors per step."""
+    from dppo.train.trainer import Trainer
+
+    t0 = time.perf_counter()
+    with Trainer(cfg, out) as trainer:
+        results = trainer.train()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"before": results["eval_before"], "after": results["eval_after"], "wall_s": time.perf_counter() - t0,
+            "step_s": sorted(r["perf/step_s"] for r in rows)[len(rows) // 2],
+            "generation_s": sorted(r["perf/generation_s"] for r in rows)[len(rows) // 2],
+            "training_reward": [round(r["reward/mean"], 3) for r in rows],
+            "tool_calls": [round(r.get("episode/tool_calls_mean", 0.0), 2) for r in rows],
+            "episode_errors": sum(r.get("episode/env_errors", 0) for r in rows)}
 
 
 def emit(payload: dict, **dumps) -> None:
