@@ -4,7 +4,9 @@ for model-written code (`dppo.envs.sandbox`) and the built-ins (`dppo.envs.built
     factory = make_environment("calculator", max_tool_chars=500)   # checked now: options, the class
     env = factory()                                                 # one fresh Environment per episode
 
-Built-in names (`ENVIRONMENTS`): calculator, python, feedback. A user environment by import path:
+Built-in names (`ENVIRONMENTS`): calculator, python, feedback, and openenv (an OpenEnv server's environment,
+`dppo.envs.openenv`: `make_environment("openenv", base_url="http://...")` or `app="module:app"`). A user environment by
+import path:
 `make_environment("mypkg.envs:MyEnv")` or `make_environment("path/to/file.py:MyEnv")` (a subclass of
 `Environment`, or any class with `reset(example)` and `step(reply)`). docs/agents.md has a 20-line example.
 """
@@ -17,12 +19,14 @@ from typing import Any
 
 from dppo.envs.base import EnvStep, Environment, ToolEnv
 from dppo.envs.builtin import CalculatorEnv, FeedbackEnv, PythonEnv
+from dppo.envs.openenv import OpenEnvEnv
 from dppo.runtime.plugins import is_import_path, load_object
 
 ENVIRONMENTS: dict[str, type] = {
     "calculator": CalculatorEnv,
     "python": PythonEnv,
     "feedback": FeedbackEnv,
+    "openenv": OpenEnvEnv,
 }
 
 

@@ -61,7 +61,8 @@ class EnvSettings:
     settings)."""
 
     name: str = ""
-    """An environment (calculator, python, feedback) or `module:Class` / `path/to/file.py:Class`."""
+    """An environment (calculator, python, feedback, openenv: an OpenEnv server's) or `module:Class` /
+    `path/to/file.py:Class`."""
     options: str = "{}"
     """JSON object of the environment's options, e.g. '{"max_tool_chars": 500}'."""
     max_turns: int = 4
@@ -96,7 +97,7 @@ class EnvSettings:
     def episodes(self, *, max_new_tokens: int, reward=None) -> EnvEpisodes:
         """The environment's episodes: these settings are all they need (the environment scores each episode)."""
         if not self.name:
-            _fail("env.name", "rollout.episodes env needs an environment (calculator, python, feedback, "
+            _fail("env.name", "rollout.episodes env needs an environment (calculator, python, feedback, openenv, "
                               "module:Class or path/to/file.py:Class)")
         return EnvEpisodes(self)
 
