@@ -137,7 +137,7 @@ class OpenEnvEnv(Environment):
 
         self.example = example
         kwargs = {**self.reset_args, **{arg: _field(example, name) for arg, name in self.reset_keys.items()}}
-        self.close()  # (a second reset of one instance opens a fresh session)
+        self._end_session()  # (a second reset of one instance opens a fresh session)
         self._client = GenericEnvClient(base_url=self.server.url, connect_timeout_s=self.timeout_s,
                                         message_timeout_s=self.timeout_s).sync()
         result = self._client.reset(**kwargs)
@@ -169,6 +169,9 @@ class OpenEnvEnv(Environment):
 
     def close(self) -> None:
         """Closes the episode's session (its WebSocket and the client's event-loop thread)."""
+        self._end_session()
+
+    def _end_session(self) -> None:
         client, self._client = self._client, None
         if client is None:
             return
@@ -253,7 +256,13 @@ def _start(app: str, startup_timeout_s: float) -> Server:
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(asgi, log_config=None, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dppo-openenv-app", daemon=True)
+    def run() -> None:
+        try:
+            server.run(sockets=[sock])
+        except SystemExit:  # (uvicorn exits when the app's startup fails; its error is logged)
+            pass
+
+    thread = threading.Thread(target=run, name="dppo-openenv-app", daemon=True)
     thread.start()
 
     def stop() -> None:

@@ -5,13 +5,16 @@
     step({"guess": "7"})                            -> "higher" / "lower" (reward 0.1: a number was guessed),
                                                        "correct" (reward 1, done); done after max_attempts too
 
-A guess with no number is answered "not a number" (reward 0); the guess "crash" makes the environment raise in the
-server (an execution error, not a validation one). `app` is the server (`uvicorn tests.envs.openenv_game:app`, or
+A guess with no number is answered "not a number" (reward 0); a guess longer than 40 characters is refused by the
+server's validation (the action's schema); the guess "crash" makes the environment raise in the server (an
+execution error); reset(die_on_step=True) makes the server's process exit at the next step (a server that dies
+mid-episode: only for a server in a process of its own). `app` is the server (`uvicorn tests.envs.openenv_game:app`, or
 dppo's `app` option); GET /sessions counts the sessions it opened and closed. `broken_app` fails at startup.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import threading
@@ -23,7 +26,7 @@ from pydantic import Field
 
 
 class GuessAction(Action):
-    guess: str = Field(..., description="Your guess: a whole number from 0 to 9")
+    guess: str = Field(..., max_length=40, description="Your guess: a whole number from 0 to 9")
 
 
 class GuessObservation(Observation):
@@ -40,16 +43,19 @@ class GuessGame(Environment):
 
     def __init__(self) -> None:
         super().__init__()
-        self.target, self.attempts, self.max_attempts, self.episode_id = 0, 0, 3, None
+        self.target, self.attempts, self.max_attempts, self.episode_id, self.die = 0, 0, 3, None, False
         with _LOCK:
             COUNTS["opened"] += 1
 
-    def reset(self, seed=None, episode_id=None, target=None, max_attempts: int = 3, **kwargs) -> GuessObservation:
+    def reset(self, seed=None, episode_id=None, target=None, max_attempts: int = 3, die_on_step: bool = False,
+              **kwargs) -> GuessObservation:
         self.target = int(target) if target is not None else random.Random(seed).randint(0, 9)
-        self.attempts, self.max_attempts, self.episode_id = 0, int(max_attempts), episode_id
+        self.attempts, self.max_attempts, self.episode_id, self.die = 0, int(max_attempts), episode_id, die_on_step
         return GuessObservation(message="Guess the number from 0 to 9.")
 
     def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
+        if self.die:
+            os._exit(1)
         if action.guess == "crash":
             raise RuntimeError("the game broke")
         self.attempts += 1
