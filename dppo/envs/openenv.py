@@ -37,7 +37,7 @@ own episode loop (`dppo.episodes.env_loop`), where dppo owns the token ids: the 
 the ids trained are the ids sampled, never re-tokenised, with µ and µ's top-K on every generated token.
 
 Needs `openenv` (tested with 0.4.1; `pip install --no-deps openenv==0.4.1` beside fastapi, uvicorn, websockets,
-pydantic, httpx) and, for `app`, uvicorn. The server's `max_concurrent_envs` must admit a step's episodes at once
+pydantic and requests) and, for `app`, uvicorn. The server's `max_concurrent_envs` must admit a step's episodes at once
 (rollout.prompts_per_step x rollout.group_size): a session refused at capacity fails its reset, which stops the step.
 """
 
