@@ -390,8 +390,8 @@ def _schema_error(action: dict, schema: dict) -> str | None:
     """What is wrong with `action` against the action schema's fields (unknown, missing, a plain type), or None.
     Anything finer (ranges, patterns, unions) is left to the server's validation.
 
-    >>> _schema_error({"n": "x"}, {"properties": {"n": {"type": "integer"}}, "required": ["n"]})
-    "field 'n': expected integer, got 'x'"
+    >>> _schema_error({"n": [1]}, {"properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    "field 'n': expected integer, got [1]"
     """
     props = schema.get("properties", {})
     unknown = sorted(set(action) - set(props))
@@ -403,8 +403,8 @@ def _schema_error(action: dict, schema: dict) -> str | None:
     for key, value in action.items():
         kind = props.get(key, {}).get("type")
         if isinstance(kind, str) and kind in _JSON_TYPES:
-            ok = isinstance(value, _JSON_TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
-            if not ok:
+            a_bool_as_number = isinstance(value, bool) and kind in ("integer", "number")
+            if not isinstance(value, _JSON_TYPES[kind]) or a_bool_as_number:
                 return f"field {key!r}: expected {kind}, got {json.dumps(value)[:100]}"
     return None
 

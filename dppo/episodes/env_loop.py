@@ -181,15 +181,19 @@ class EnvCollector:
             schemas = [tool_schema(fn) for fn in getattr(env, "tools", ())]  # (any class with reset and step)
             return _EnvEpisode(p, env, self._codec.render(messages, schemas), messages)
         except BaseException:
-            self._close([_Closing(env)])
+            self._close_envs([env])
             raise
 
-    def _close(self, episodes) -> None:
-        """Each episode's environment closed once (in parallel, bounded by timeout_s; a failing close is ignored)."""
+    def _close(self, episodes: list[_EnvEpisode]) -> None:
+        """Each episode's environment closed once."""
         todo = [ep for ep in episodes if not ep.closed]
         for ep in todo:
             ep.closed = True
-        closes = [close for close in (getattr(ep.env, "close", None) for ep in todo) if callable(close)]
+        self._close_envs([ep.env for ep in todo])
+
+    def _close_envs(self, envs: list) -> None:
+        """`envs` closed in parallel, bounded by timeout_s; a close that raises or hangs is ignored."""
+        closes = [close for close in (getattr(env, "close", None) for env in envs) if callable(close)]
         if closes:  # (any class with reset and step is an environment: close is optional)
             bounded_calls(closes, self.settings.timeout_s, name="dppo-env-close")
 
@@ -252,14 +256,6 @@ class EnvCollector:
                 continue
             ep.messages.extend(dict(m) for m in step.messages)
             ep.tokens.add_inserted(ids, ep.turns - 1)  # (the turn it answers)
-
-
-@dataclass
-class _Closing:
-    """An environment whose reset failed, closed like an episode's."""
-
-    env: Any
-    closed: bool = False
 
 
 def _cut(r: Rollout, n: int) -> Rollout:

@@ -244,8 +244,13 @@ def test_a_server_that_dies_mid_episode_ends_it_as_an_env_error(model, tokenizer
     assert len(closes) == 2 == len({id(env) for env in closes})
 
 
-def test_openenv_is_registered():
+def test_openenv_is_registered_and_its_doctests_pass():
+    import doctest
+
+    import dppo.envs.openenv
+
     assert ENVIRONMENTS["openenv"] is OpenEnvEnv
+    assert doctest.testmod(dppo.envs.openenv).failed == 0
 
 
 def test_the_trainer_trains_two_steps_on_an_openenv_game(tmp_path):

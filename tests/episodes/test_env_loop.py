@@ -262,6 +262,21 @@ def test_an_environment_that_raises_hangs_or_returns_garbage_is_contained_and_na
     assert message in r.episode.error and f"{ENVS}:{env}" in r.episode.error
 
 
+def test_each_episodes_environment_is_closed_once_however_it_ends(model, tokenizer):
+    from dppo.envs import environment_class
+
+    closed = environment_class(f"{ENVS}:Closes").closed
+    for options, limits, finish in [({"turns": 2}, {}, "eos"), ({"turns": 9}, {"max_turns": 2}, "length"),
+                                    ({"fail": "step"}, {}, "eos")]:
+        closed.clear()
+        [r] = _run(model, tokenizer, f"{ENVS}:Closes", options, **{"max_turns": 3, "max_tokens": 100, **limits})
+        assert r.finish_reason == finish and len(closed) == 1, (options, closed)
+    closed.clear()
+    with pytest.raises(ValueError, match="reset\\(\\) failed"):
+        _run(model, tokenizer, f"{ENVS}:Closes", {"fail": "reset"}, max_turns=3, max_tokens=100)
+    assert len(closed) == 1
+
+
 def test_bad_environment_settings_fail_before_any_model_loads(tmp_path, monkeypatch):
     from conftest import smoke_config
     from dppo.train import trainer as trainer_module
