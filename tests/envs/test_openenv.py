@@ -39,20 +39,23 @@ def _sessions(url: str) -> dict:
         return json.loads(answer.read())
 
 
-def _uvicorn(port: int) -> subprocess.Popen:
-    """The game served by uvicorn in a process of its own, once it answers /schema."""
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--app-dir", str(HERE), "openenv_game:app", "--port",
-                             str(port), "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/schema", timeout=1).close()
-            return proc
-        except OSError:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("the game's server did not start")
+def _uvicorn() -> tuple[subprocess.Popen, int]:
+    """The game served by uvicorn in a process of its own, once it answers /schema, and its port (another port is
+    tried when the free one found was taken meanwhile)."""
+    for _ in range(3):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--app-dir", str(HERE), "openenv_game:app", "--port",
+                                 str(port), "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/schema", timeout=1).close()
+                return proc, port
+            except OSError:
+                time.sleep(0.1)
+        proc.kill()
+        error = proc.communicate()[1].decode()[-2000:]
+    raise AssertionError(f"the game's server did not start: {error}")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,7 @@ def test_reset_and_step_are_openenvs_and_observations_become_messages(game):
         assert last.done and last.messages == () and last.reward == 1.0
     finally:
         env.close()
-    whole = make_environment("openenv", app=APP, system_prompt="Play.", show_schema=False)()
+    whole = make_environment("openenv", app=APP, system_prompt="Play.", show_schema=False, reset_args={"target": 5})()
     try:  # no observation_key: the observation's fields as JSON; no schema: the system prompt alone
         assert whole.reset(EXAMPLE)[0] == {"role": "system", "content": "Play."}
         assert json.loads(whole.step('{"guess": "1"}').messages[0]["content"])["attempts"] == 1
@@ -179,10 +182,15 @@ def test_bad_options_fail_at_make_environment_naming_the_option(options, match):
         make_environment("openenv", **options)
 
 
-def test_an_unreachable_base_url_fails_before_any_model_loads(tmp_path, monkeypatch):
+def test_an_unreachable_base_url_fails_before_any_model_loads(tmp_path, monkeypatch, request):
     from dppo.train import trainer as trainer_module
 
-    url = f"http://127.0.0.1:{free_port()}"
+    import socket
+
+    bound = socket.socket()  # a port bound but not listening: connections are refused, and no one else gets it
+    bound.bind(("127.0.0.1", 0))
+    request.addfinalizer(bound.close)
+    url = f"http://127.0.0.1:{bound.getsockname()[1]}"
     start = time.monotonic()
     with pytest.raises(ValueError, match=rf"base_url: no OpenEnv server answers at {url}"):
         make_environment("openenv", base_url=url, startup_timeout_s=0.5)
@@ -203,8 +211,7 @@ def test_episodes_on_a_server_via_base_url_and_via_app_close_every_session(model
     closes = []
     close = OpenEnvEnv.close
     monkeypatch.setattr(OpenEnvEnv, "close", lambda self: (closes.append(self), close(self)))
-    port = free_port()
-    proc = _uvicorn(port)
+    proc, port = _uvicorn()
     try:
         for where in ({"base_url": f"http://127.0.0.1:{port}"}, {"app": APP}):
             url = make_environment("openenv", **where)().server.url
@@ -227,8 +234,7 @@ def test_a_server_that_dies_mid_episode_ends_it_as_an_env_error(model, tokenizer
     closes = []
     close = OpenEnvEnv.close
     monkeypatch.setattr(OpenEnvEnv, "close", lambda self: (closes.append(self), close(self)))
-    port = free_port()
-    proc = _uvicorn(port)
+    proc, port = _uvicorn()
     try:
         options = {"base_url": f"http://127.0.0.1:{port}", "reset_args": {"die_on_step": True}, "action_key": "guess",
                    "timeout_s": 5}
