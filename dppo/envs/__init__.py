@@ -1,14 +1,15 @@
 """Environments of multi-turn episodes: the protocol (`dppo.envs.base`), tools (`dppo.envs.tools`), the sandbox
-for model-written code (`dppo.envs.sandbox`), the built-ins (`dppo.envs.builtin`) and an MCP server's tools
-(`dppo.envs.mcp`).
+for model-written code (`dppo.envs.sandbox`), the built-ins (`dppo.envs.builtin`), an MCP server's tools
+(`dppo.envs.mcp`) and OpenEnv environments (`dppo.envs.openenv`).
 
     factory = make_environment("calculator", max_tool_chars=500)   # checked now: options, the class
     env = factory()                                                 # one fresh Environment per episode
 
-Built-in names (`ENVIRONMENTS`): calculator, python, feedback, and mcp (the tools of an MCP server, stdio or
-HTTP: `make_environment("mcp", command=["python", "server.py"])`). A user environment by import path:
-`make_environment("mypkg.envs:MyEnv")` or `make_environment("path/to/file.py:MyEnv")` (a subclass of
-`Environment`, or any class with `reset(example)` and `step(reply)`). docs/agents.md has a 20-line example.
+Built-in names (`ENVIRONMENTS`): calculator, python, feedback, mcp (the tools of an MCP server, stdio or
+HTTP: `make_environment("mcp", command=["python", "server.py"])`) and openenv (an OpenEnv server's environment,
+`dppo.envs.openenv`: `make_environment("openenv", base_url="http://...")` or `app="module:app"`). A user
+environment by import path: `make_environment("mypkg.envs:MyEnv")` or `make_environment("path/to/file.py:MyEnv")` (a
+subclass of `Environment`, or any class with `reset(example)` and `step(reply)`). docs/agents.md has a 20-line example.
 
 A class with a `factory(**options)` classmethod builds its own factory: `make_environment` returns what that returns
 (a callable giving one fresh environment per call), so the factory can hold what the episodes share, e.g. `mcp`'s
@@ -24,6 +25,7 @@ from typing import Any
 from dppo.envs.base import EnvStep, Environment, ToolEnv
 from dppo.envs.builtin import CalculatorEnv, FeedbackEnv, PythonEnv
 from dppo.envs.mcp import MCPEnv
+from dppo.envs.openenv import OpenEnvEnv
 from dppo.runtime.plugins import is_import_path, load_object
 
 ENVIRONMENTS: dict[str, type] = {
@@ -31,6 +33,7 @@ ENVIRONMENTS: dict[str, type] = {
     "python": PythonEnv,
     "feedback": FeedbackEnv,
     "mcp": MCPEnv,
+    "openenv": OpenEnvEnv,
 }
 
 

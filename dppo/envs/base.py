@@ -5,6 +5,7 @@ An episode starts from a task example:
     env = make_environment("calculator")()     # a fresh Environment per episode (the registry holds factories)
     messages = env.reset(example)             # the first messages (system / user); `env.tools` are the tools it exposes
     step = env.step(reply)                     # after each assistant turn: EnvStep(messages, reward, done, info)
+    env.close()                                # when the episode ends, however it ends (optional: sockets, clients)
 
 `step.messages` (tool answers, or a user's feedback) are appended to the transcript after the assistant's reply;
 `step.reward` is this turn's reward (an episode's reward is the sum over its turns); `done` ends the episode.
@@ -66,6 +67,11 @@ class Environment:
     def demonstration(self, example: Example) -> list[Message] | None:
         """A good episode's messages after `reset(example)`'s (assistant turns and the environment's answers), or None."""
         return None
+
+    def close(self) -> None:
+        """Release what the episode holds (a client, a socket). The episode runner calls it once when the episode
+        ends, however it ends (done, truncated, an error, a failed reset); it may run while a hung `step` is still
+        running in its abandoned thread. Default: nothing to release."""
 
     @staticmethod
     def start_line() -> str | None:

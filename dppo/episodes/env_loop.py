@@ -34,6 +34,9 @@ episode (P = the first prompt's ids, rendered once by the chat template):
 - An environment that raises, hangs (`timeout_s`) or returns a malformed step is contained: the episode ends
   with the rewards earned so far and the error is counted under the environment's name (`Rollout.episode`).
   Resets and steps run through `dppo.runtime.bounded.bounded_calls`.
+- An episode's environment is closed (`close()`, when it has one) once, as soon as the episode ends, however it
+  ends: done, an error, a timeout, truncated, or the collection stopped by a failed reset or the engine. Closes run
+  in parallel, bounded by `timeout_s`; one that raises or hangs is ignored.
 - Versions: each token records the weight version that sampled it; an episode's `weight_version` is its
   **oldest** generated token's, so its staleness is that of its stalest token. With in-flight updates (an async
   worker's `engine.between_chunks`), newer weights are also taken between turns, so an episode may span versions.
@@ -83,8 +86,13 @@ class EnvEpisodes:
     def check(self, example) -> str | None:
         s = self.settings
         env = make_environment(s.name, **s.options_dict)()
-        check_messages(env.reset(example), s.name)
-        line = getattr(env, "start_line", None)  # (any class with reset and step is an environment)
+        try:
+            check_messages(env.reset(example), s.name)
+        finally:
+            close = getattr(env, "close", None)  # (any class with reset and step is an environment)
+            if callable(close):
+                close()
+        line = getattr(env, "start_line", None)
         return line() if callable(line) else None
 
     def metrics(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
@@ -101,6 +109,7 @@ class _EnvEpisode:
         self.stats = {"tool_calls": 0.0, "tool_errors": 0.0, "tool_timeouts": 0.0, "tool_truncated": 0.0,
                       "env_errors": 0.0, "env_timeouts": 0.0, "truncated": 0.0, "turns_truncated": 0.0}
         self.error: str | None = None
+        self.closed = False
         self.success = math.nan  # the environment's own verdict, if it gives one (EnvStep.info["success"])
 
     def end(self, finish: str, error: str | None = None) -> None:
@@ -138,17 +147,23 @@ class EnvCollector:
         s = self.settings
         if self._factory is None:
             self._factory, self._codec = make_environment(s.name, **s.options_dict), ChatCodec(engine.tokenizer)
-        episodes = [self._start(p, example) for p, example in enumerate(examples) for _ in range(params.n)]
-        # (the hf engine: later turns prefill only their new tokens; a no-op for engines without the cache)
-        engine.enable_prefix_cache(sum(len(ep.tokens.prompt_ids) + s.max_tokens for ep in episodes))
+        episodes: list[_EnvEpisode] = []
         try:
-            for turn in range(s.max_turns):
-                active = [ep for ep in episodes if not ep.done]
-                if not active:
-                    break
-                self._turn(engine, active, params, turn)
+            for p, example in enumerate(examples):
+                episodes.extend(self._start(p, example) for _ in range(params.n))
+            # (the hf engine: later turns prefill only their new tokens; a no-op for engines without the cache)
+            engine.enable_prefix_cache(sum(len(ep.tokens.prompt_ids) + s.max_tokens for ep in episodes))
+            try:
+                for turn in range(s.max_turns):
+                    active = [ep for ep in episodes if not ep.done]
+                    if not active:
+                        break
+                    self._turn(engine, active, params, turn)
+                    self._close([ep for ep in active if ep.done])
+            finally:
+                engine.enable_prefix_cache(0)
         finally:
-            engine.enable_prefix_cache(0)
+            self._close(episodes)
         for ep in episodes:
             if not ep.done:  # max_turns reached without the environment ending it
                 ep.end("length")
@@ -158,12 +173,29 @@ class EnvCollector:
         """A fresh environment reset on `example` (bounded in time), its first prompt rendered with its tools."""
         s, env = self.settings, self._factory()
         [reset] = bounded_calls([lambda: env.reset(example)], s.timeout_s, name="dppo-env")
-        if reset.status != "ok":
-            raise ValueError(f"environment {s.name!r}: reset() failed on example {example.uid}: "
-                             f"{'timed out' if reset.status == 'timeout' else repr(reset.error)}")
-        messages = check_messages(reset.value, s.name)
-        schemas = [tool_schema(fn) for fn in getattr(env, "tools", ())]  # (any class with reset and step)
-        return _EnvEpisode(p, env, self._codec.render(messages, schemas), messages)
+        try:
+            if reset.status != "ok":
+                raise ValueError(f"environment {s.name!r}: reset() failed on example {example.uid}: "
+                                 f"{'timed out' if reset.status == 'timeout' else repr(reset.error)}")
+            messages = check_messages(reset.value, s.name)
+            schemas = [tool_schema(fn) for fn in getattr(env, "tools", ())]  # (any class with reset and step)
+            return _EnvEpisode(p, env, self._codec.render(messages, schemas), messages)
+        except BaseException:
+            self._close_envs([env])
+            raise
+
+    def _close(self, episodes: list[_EnvEpisode]) -> None:
+        """Each episode's environment closed once."""
+        todo = [ep for ep in episodes if not ep.closed]
+        for ep in todo:
+            ep.closed = True
+        self._close_envs([ep.env for ep in todo])
+
+    def _close_envs(self, envs: list) -> None:
+        """`envs` closed in parallel, bounded by timeout_s; a close that raises or hangs is ignored."""
+        closes = [close for close in (getattr(env, "close", None) for env in envs) if callable(close)]
+        if closes:  # (any class with reset and step is an environment: close is optional)
+            bounded_calls(closes, self.settings.timeout_s, name="dppo-env-close")
 
     def _turn(self, engine, active: list[_EnvEpisode], params: SamplingParams, turn: int) -> None:
         budget = self.settings.max_tokens

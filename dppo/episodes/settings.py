@@ -61,8 +61,8 @@ class EnvSettings:
     settings)."""
 
     name: str = ""
-    """An environment (calculator, python, feedback, mcp: an MCP server's tools) or `module:Class` /
-    `path/to/file.py:Class`."""
+    """An environment (calculator, python, feedback, mcp: an MCP server's tools, openenv: an OpenEnv server's) or
+    `module:Class` / `path/to/file.py:Class`."""
     options: str = "{}"
     """JSON object of the environment's options, e.g. '{"max_tool_chars": 500}'."""
     max_turns: int = 4
@@ -97,7 +97,7 @@ class EnvSettings:
     def episodes(self, *, max_new_tokens: int, reward=None) -> EnvEpisodes:
         """The environment's episodes: these settings are all they need (the environment scores each episode)."""
         if not self.name:
-            _fail("env.name", "rollout.episodes env needs an environment (calculator, python, feedback, mcp, "
+            _fail("env.name", "rollout.episodes env needs an environment (calculator, python, feedback, mcp, openenv, "
                               "module:Class or path/to/file.py:Class)")
         return EnvEpisodes(self)
 

@@ -56,3 +56,26 @@ class EvenAnswer(Environment):
     def step(self, reply: str) -> EnvStep:
         ok = int(self.example.answer) % 2 == 0
         return EnvStep(reward=float(ok), done=True, info={"success": ok})
+
+
+class Closes(Scripted):
+    """Scripted, counting each instance's close() calls in `closed` (`fail`: "step" raises in step, "reset" in reset)."""
+
+    closed: list = []
+
+    def __init__(self, turns: int = 3, fail: str = "") -> None:
+        super().__init__(turns)
+        self.fail = fail
+
+    def reset(self, example):
+        if self.fail == "reset":
+            raise RuntimeError("the reset broke")
+        return super().reset(example)
+
+    def step(self, reply: str) -> EnvStep:
+        if self.fail == "step":
+            raise RuntimeError("the environment broke")
+        return super().step(reply)
+
+    def close(self) -> None:
+        Closes.closed.append(id(self))

@@ -262,6 +262,21 @@ def test_an_environment_that_raises_hangs_or_returns_garbage_is_contained_and_na
     assert message in r.episode.error and f"{ENVS}:{env}" in r.episode.error
 
 
+def test_each_episodes_environment_is_closed_once_however_it_ends(model, tokenizer):
+    from dppo.envs import environment_class
+
+    closed = environment_class(f"{ENVS}:Closes").closed
+    for options, limits, finish in [({"turns": 2}, {}, "eos"), ({"turns": 9}, {"max_turns": 2}, "length"),
+                                    ({"fail": "step"}, {}, "eos")]:
+        closed.clear()
+        [r] = _run(model, tokenizer, f"{ENVS}:Closes", options, **{"max_turns": 3, "max_tokens": 100, **limits})
+        assert r.finish_reason == finish and len(closed) == 1, (options, closed)
+    closed.clear()
+    with pytest.raises(ValueError, match="reset\\(\\) failed"):
+        _run(model, tokenizer, f"{ENVS}:Closes", {"fail": "reset"}, max_turns=3, max_tokens=100)
+    assert len(closed) == 1
+
+
 def test_bad_environment_settings_fail_before_any_model_loads(tmp_path, monkeypatch):
     from conftest import smoke_config
     from dppo.train import trainer as trainer_module
@@ -288,7 +303,7 @@ def test_bad_environment_settings_fail_before_any_model_loads(tmp_path, monkeypa
 
 
 def test_user_environment_from_a_file_and_the_builtins_are_registered():
-    assert set(ENVIRONMENTS) == {"calculator", "python", "feedback", "mcp"}
+    assert set(ENVIRONMENTS) == {"calculator", "python", "feedback", "mcp", "openenv"}  # (tests/envs: mcp, openenv)
     env = make_environment(SCRIPTED, turns=2)()
     env.reset(EXAMPLES[0])
     assert env.step("a1").messages == ({"role": "tool", "content": "result 1"},)
@@ -372,7 +387,7 @@ def test_every_trust_region_trains_on_episodes(tmp_path, region):
     assert m["episode/turns_mean"] == 2.0
 
 
-@pytest.mark.parametrize("name", sorted(set(ENVIRONMENTS) - {"mcp"}))  # (mcp: a server's tools, no demonstration)
+@pytest.mark.parametrize("name", sorted(set(ENVIRONMENTS) - {"mcp", "openenv"}))  # (a server's; no demonstration)
 def test_each_builtin_replays_its_demonstration_to_full_reward(name):
     """The transcript `dppo sft` trains on is what the environment really answers, and it earns reward 1."""
     from dppo.tasks import make_task
