@@ -45,7 +45,10 @@ def arm_config(name: str, args, out: Path):
         options = {"taskset": str(TASKSET), "config": {"seed": args.seed}, "shuffle": False, "client": args.client,
                    **({"tokenizer": "smollm2-135m"} if args.client == "train" else {})}
         task.update(name="verifiers", options=json.dumps(options))
-        sections = {"rollout": {"episodes": "agent"}, "agent": {"name": "verifiers"}}
+        # 32 harness programs at a time, each episode up to 10 min: 128 evaluation episodes started at once on 2 cores
+        # (a Python process each) ran past the default 2 min and failed
+        sections = {"rollout": {"episodes": "agent"},
+                    "agent": {"name": "verifiers", "concurrency": args.concurrency, "timeout_s": 600.0}}
     return replace(get_preset("demo"), train=train, task=task, **sections,
                    log={"tensorboard": False, "progress": False, "run_dir": str(out)})
 
@@ -61,6 +64,7 @@ def main() -> None:
     p.add_argument("--eval-samples", type=int, default=0, help="samples per held-out question (default: the demo's, 2)")
     p.add_argument("--seed", type=int, default=0, help="the task's and the trainer's seed (both arms)")
     p.add_argument("--client", default="eval", choices=("eval", "train"), help="verifiers' client")
+    p.add_argument("--concurrency", type=int, default=32, help="verifiers episodes at once (agent.concurrency)")
     p.add_argument("--arms", default="dppo,verifiers", help="which arms, comma-separated")
     p.add_argument("--out", default=None, help="folder for the runs (default: a temp dir)")
     args = p.parse_args()

@@ -47,7 +47,8 @@ def evaluate(source, examples, params: SamplingParams, *, pad_id: int, ks: Seque
     (the share that succeeded: `episode_success`, the environment's verdict or reward >= 1), the unbiased pass@k
     (`dppo.metrics.pass_at_k`) for each k > 1 of `ks` (None: 2, 4, ... and n), with `vote` (a sample's answer:
     `dppo.rewards.votes`) maj@k for each k of `ks` (`dppo.metrics.maj_at_k`), the mean reward over all of them, and
-    for multi-turn episodes the mean turns and tool calls. n = examples x params.n samples."""
+    for multi-turn episodes the mean turns and tool calls, and `episode_failures` / `episode_timeouts` when episodes
+    (their environment, agent or reward) failed or timed out (each scored 0). n = examples x params.n samples."""
     if not examples:
         raise ValueError("examples: the evaluation set is empty")
     ks = pass_at_k_values(params.n) if ks is None else sorted(set(ks))
@@ -55,7 +56,7 @@ def evaluate(source, examples, params: SamplingParams, *, pad_id: int, ks: Seque
     if bad:
         raise ValueError(f"k: {bad[0]} is not in [1, samples per prompt = {params.n}]")
     rollouts = source.generate(list(examples), params)
-    rewards, _ = episode_rewards(rollouts)
+    rewards, counts = episode_rewards(rollouts)
     success = episode_success(rollouts, rewards)
     batch = collate(rollouts, pad_id=pad_id)
     stats = source.episodes.metrics(rollouts)
@@ -74,7 +75,8 @@ def evaluate(source, examples, params: SamplingParams, *, pad_id: int, ks: Seque
                        for m in [maj_at_k(votes, k, seed=params.seed or 0)]})
     return {"pass@1": float(success.float().mean()), **pass_k, "reward_mean": float(rewards.mean()),
             "n": len(examples) * params.n, "samples_per_prompt": params.n, "temperature": params.temperature,
-            "response_length": float(batch.response_lengths.float().mean()), **extra}
+            "response_length": float(batch.response_lengths.float().mean()), **extra,
+            **{f"episode_{k}": v for k, v in counts.items() if v}}  # episodes that failed / timed out, when any
 
 
 def _step_of(folder: Path) -> int:

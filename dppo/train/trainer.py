@@ -310,7 +310,9 @@ class Trainer:
         result = self.evaluate()
         self.logger.log_eval(self.step_idx, result)
         self.logger.print(f"[dppo] eval @ step {self.step_idx}: pass@1 {result['pass@1']:.3f}, "
-                          f"mean reward {result['reward_mean']:.3f} over {result['n']} held-out samples")
+                          f"mean reward {result['reward_mean']:.3f} over {result['n']} held-out samples"
+                          + "".join(f", {result[k]} {k.split('_')[1]} (scored 0)" for k in
+                                    ("episode_failures", "episode_timeouts") if result.get(k)))
         return result
 
     def save(self) -> Path:

@@ -461,3 +461,18 @@ def test_a_call_past_its_rows_token_budget_is_refused_and_the_episode_counted_tr
         assert r.episode.turns == 1 and r.episode.truncated == 1.0 and r.finish_reason == "length"
         assert "context_length_exceeded" in r.episode.error or "agent.max_tokens" in r.episode.error
         assert r.episode.refused_calls == 1.0
+
+
+def test_evaluation_reports_the_episodes_that_failed(tmp_path, capsys):
+    """Held-out episodes whose agent failed score 0: evaluation says how many, so a pass@1 of failures is not read as
+    the policy's."""
+    from conftest import smoke_config
+    from dppo.train.trainer import Trainer
+
+    cfg = smoke_config(tmp_path, rollout={"episodes": "agent", "max_new_tokens": 4},
+                       agent={"name": f"{AGENTS}:raises", "max_tokens": 64},
+                       task={"eval_size": 3}, train={"threads": 1, "eval_samples_per_prompt": 2})
+    with Trainer(cfg, tmp_path) as trainer:
+        result = trainer.evaluate_and_log()
+    assert result["n"] == 6 and result["episode_failures"] == 6 and "episode_timeouts" not in result
+    assert "6 failures (scored 0)" in capsys.readouterr().out
