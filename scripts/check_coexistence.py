@@ -28,7 +28,7 @@ VERIFIERS_VERSION = "0.4.0"
 SCENARIOS = {
     # name: (what the user's environment has, dppo's extra)
     "trl": ([f"trl=={TRL_VERSION}", "transformers", "accelerate", "peft", "datasets"], "trl"),
-    "verifiers": ([f"verifiers=={VERIFIERS_VERSION}"], "agents"),
+    "verifiers": ([f"verifiers=={VERIFIERS_VERSION}"], "agents,verifiers,mcp"),
 }
 
 
