@@ -107,7 +107,10 @@ def test_a_two_call_episode_is_one_row_that_decodes_to_the_templates_transcript(
         assert not any(mask[len(first):-len(second)])
 
 
-def test_concurrent_agents_calls_are_batched_into_one_engine_call_per_round(model, tokenizer):
+def test_concurrent_agents_calls_are_batched_into_one_engine_call_per_round(model, tokenizer, monkeypatch):
+    # The batch goes once every running episode has a call in flight; the window for a late one (0.2 s by default)
+    # made long, so that a loaded machine's slow thread does not split a round (seen under load average 10)
+    monkeypatch.setattr(Proxy.__init__, "__kwdefaults__", {"batch_wait_s": 10.0})
     engine = HFEngine(model, tokenizer)
     calls = []
     generate = engine.generate
