@@ -116,7 +116,7 @@ class AgentCollector:
         self.__init__(state["settings"])
 
     def close(self) -> None:
-        closing = getattr(getattr(self, "_fn", None), "close", None)  # an agent's own clean-up (e.g. `verifiers`)
+        closing = getattr(self._fn, "close", None)  # an agent's own clean-up (e.g. `verifiers`)
         if self.proxy is not None and self.proxy.loop is not None and inspect.iscoroutinefunction(closing):
             try:
                 asyncio.run_coroutine_threadsafe(closing(), self.proxy.loop).result(30)

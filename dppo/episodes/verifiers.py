@@ -51,10 +51,9 @@ def env_config(spec: dict):
     module = taskset_module(spec["taskset"])
     harness = taskset_module(spec["harness"]) if spec.get("harness") else default_harness_id(module)
     harness = "null" if harness == "bash" and not spec.get("harness") else harness
-    cfg = env_config_type(module).model_validate({
+    return env_config_type(module).model_validate({
         "taskset": {**spec.get("config", {}), "id": module},
         **{seat: {"harness": {"id": harness}, "runtime": {"type": "subprocess"}} for seat in _seats(module)}})
-    return cfg
 
 
 def _seats(module: str) -> list[str]:

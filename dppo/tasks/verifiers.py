@@ -123,10 +123,9 @@ def _check_harness(harness: str) -> None:
     `bash`, a module exporting a `Harness`, or a local file / package of one)."""
     from verifiers.v1.utils.loaders import harness_class
 
+    module = taskset_module(harness, field="harness")
     try:
-        harness_class(taskset_module(harness, field="harness"))
-    except ValueError:
-        raise
+        harness_class(module)
     except Exception as err:  # ModuleNotFoundError, verifiers' "no Harness exported"
         raise ValueError(f"task.options.harness: {harness!r}: {err}") from err
 

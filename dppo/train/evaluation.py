@@ -79,6 +79,14 @@ def evaluate(source, examples, params: SamplingParams, *, pad_id: int, ks: Seque
             **{f"episode_{k}": v for k, v in counts.items() if v}}  # episodes that failed / timed out, when any
 
 
+def eval_line(step: int, result: dict[str, float]) -> str:
+    """The trainer's line for an evaluation `result` at `step`, naming the episodes that failed or timed out."""
+    failed = "".join(f", {result[k]} {k.split('_')[1]} (scored 0)" for k in ("episode_failures", "episode_timeouts")
+                     if result.get(k))
+    return (f"[dppo] eval @ step {step}: pass@1 {result['pass@1']:.3f}, mean reward {result['reward_mean']:.3f} "
+            f"over {result['n']} held-out samples{failed}")
+
+
 def _step_of(folder: Path) -> int:
     return int(folder.name.split("_")[1])
 
@@ -152,5 +160,5 @@ def evaluate_checkpoint(cfg: Config, run_dir: Path | None, **kwargs: Any) -> dic
     return evaluate_checkpoints(cfg, run_dir, every=False, **kwargs)[0]
 
 
-__all__ = ["engine_prompts", "evaluate", "evaluate_checkpoint", "evaluate_checkpoints", "load_checkpoint_weights",
+__all__ = ["engine_prompts", "eval_line", "evaluate", "evaluate_checkpoint", "evaluate_checkpoints", "load_checkpoint_weights",
            "vote_rule"]

@@ -39,7 +39,7 @@ from dppo.train.build import (build_episodes, build_model, build_scorer, build_s
                               check_rollout)
 from dppo.train.config import Config
 from dppo.train.distributed import init_from_env
-from dppo.train.evaluation import evaluate, vote_rule
+from dppo.train.evaluation import eval_line, evaluate, vote_rule
 from dppo.train.optim import GuardedOptimizer
 from dppo.train.prompts import PromptSampler
 from dppo.train.resolve import announce_rollout, resolution_notes, resolve_config, resolve_device
@@ -309,10 +309,7 @@ class Trainer:
     def evaluate_and_log(self) -> dict[str, float]:
         result = self.evaluate()
         self.logger.log_eval(self.step_idx, result)
-        self.logger.print(f"[dppo] eval @ step {self.step_idx}: pass@1 {result['pass@1']:.3f}, "
-                          f"mean reward {result['reward_mean']:.3f} over {result['n']} held-out samples"
-                          + "".join(f", {result[k]} {k.split('_')[1]} (scored 0)" for k in
-                                    ("episode_failures", "episode_timeouts") if result.get(k)))
+        self.logger.print(eval_line(self.step_idx, result))
         return result
 
     def save(self) -> Path:
