@@ -189,8 +189,11 @@ class ServerProcess:
         raise ServerError(f"{self.name} ({self.url}) was not healthy after {timeout_s:g} s; log {self.log}:\n{tail}")
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL to what is left after `grace_s`."""
+        """SIGTERM to the server's process group, SIGKILL to what is left after `grace_s`; when the API process has
+        already exited, SIGKILL at once to what is left of its group (its engine core and worker)."""
         if self.proc.poll() is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             return
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             with contextlib.suppress(ProcessLookupError):

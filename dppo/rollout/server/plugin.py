@@ -1,6 +1,8 @@
 """dppo's vLLM plugin (entry point `vllm.general_plugins: dppo`): registers the `dppo_shm` weight-transfer engine
 (`dppo.rollout.server.transfer`) in every vLLM process, by module path, so nothing is imported until a server is
-started with ``--weight-transfer-config '{"backend": "dppo_shm"}'``. Safe to call more than once."""
+started with ``--weight-transfer-config '{"backend": "dppo_shm"}'``; in a server's engine core and worker it also
+starts the watchdog that takes the server's whole group down when their parent dies
+(`dppo.rollout.server.watchdog`). Safe to call more than once."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ CHECKED_CONFIG = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attenti
 
 
 def register() -> None:
+    from dppo.rollout.server.watchdog import watch_parent
+
+    watch_parent()  # (a no-op outside a dppo server)
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
