@@ -232,6 +232,11 @@ class Engine(Protocol):
         """Sync weights: a state dict (name -> tensor, HF parameter names) or a torch.nn.Module."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """The engine's own counters for the step's metrics (the vllm-server engine's server faults; {} for an engine
+        without any)."""
+        ...
+
     def close(self) -> None:
         """Free the engine's resources."""
         ...

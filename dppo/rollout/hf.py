@@ -171,6 +171,9 @@ class HFEngine:
         if self._prefix is not None:  # cached KV was computed by the old weights
             self._prefix.clear()
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def close(self) -> None:
         """Drop the model (the engine cannot generate afterwards)."""
         self.model = None

@@ -77,6 +77,9 @@ class QuantizedEngine:
     def generate(self, prompts, params):
         return self.engine.generate(prompts, params)
 
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
     def close(self) -> None:
         self.engine.close()
 

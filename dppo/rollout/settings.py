@@ -114,8 +114,13 @@ class VLLMServerSettings(EngineSettings):
     """With in-flight updates: keep = requests in flight are frozen (vLLM's /pause?mode=keep) and go on under the new
     weights; abort = they are aborted and sent again as prompt + tokens so far."""
     timeout_s: float = 600.0
-    """The longest one generate request may take (then the step fails naming the server); a server's start may take
-    as long."""
+    """The longest one generate request may take (then its server counts as failed: restarts); a server's start may
+    take as long."""
+    restarts: int = 3
+    """A server dppo started that dies (or hangs past timeout_s) is restarted in the background with the current
+    weights, up to this many times per server in the run, while its requests go to the other servers (or wait for
+    it); 0 = a dead server is left out, and the step fails when none is left (--resume continues). Attached servers
+    (urls) that die are left out until they answer /health again."""
     args: str = ""
     """More `vllm serve` flags for the servers dppo starts (shell syntax)."""
     weights_dir: str = ""
@@ -130,6 +135,8 @@ class VLLMServerSettings(EngineSettings):
     def __post_init__(self) -> None:
         if self.servers < 1:
             _fail("rollout.vllm_server.servers", f"expected >= 1, got {self.servers}")
+        if self.restarts < 0:
+            _fail("rollout.vllm_server.restarts", f"expected >= 0, got {self.restarts}")
         if self.urls and self.servers != 1:
             _fail("rollout.vllm_server.servers", "dppo starts servers only without rollout.vllm_server.urls "
                                                  "(one engine per URL list)")

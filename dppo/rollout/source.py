@@ -167,6 +167,9 @@ class EngineSource(RolloutSource):
     def _generate(self, examples: Sequence, params: SamplingParams) -> list[Rollout]:
         return stamp(self.collect(self.engine, examples, params), self.version)
 
+    def metrics(self) -> dict[str, float]:
+        return self.engine.metrics()
+
     def close(self) -> None:
         closing = getattr(self.collect, "close", None)  # an episode collector's own servers (the agents' proxy)
         if callable(closing):

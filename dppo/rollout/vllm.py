@@ -249,6 +249,9 @@ class VLLMEngine:
     def enable_prefix_cache(self, max_tokens: int) -> None:
         """A no-op: vLLM caches prefixes itself (reset at every weight sync)."""
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def close(self) -> None:
         """Shut the engine down and free its memory (and the temporary model folder, if any)."""
         if self.llm is not None:

@@ -260,7 +260,8 @@ def test_a_failed_start_names_the_server_its_log_and_cause(model_dir, tokenizer,
 
 
 def test_a_server_that_dies_mid_step_fails_the_step_naming_it(engine):
-    """Last in the module: kills the module's server."""
+    """Last in the module: kills the module's server (not restarted: restarts are test_server_faults.py's)."""
+    engine.fleet.restarts = 0
     proc = engine.processes[0]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.proc.wait(30)
@@ -325,15 +326,17 @@ def test_adapter_only_sync_serves_each_version_without_a_merge(model_dir, tokeni
 
 @pytest.mark.slow
 def test_the_trainer_stops_naming_a_dead_server_and_resume_continues(tmp_path):
-    """A server killed during training: the next step fails with an error naming the server and its log (no hang,
-    no wrong batch); `resume` starts a new server and continues from the last checkpoint (step, weights, prompts)."""
+    """With restarts 0, a server killed during training: the next step fails with an error naming the server and its
+    log (no hang, no wrong batch); `resume` starts a new server and continues from the last checkpoint (step,
+    weights, prompts)."""
     from conftest import smoke_config
 
     from dppo.train.config import replace
     from dppo.train.trainer import Trainer
 
     cfg = smoke_config(tmp_path, rollout={"engine": "vllm-server", "dtype": "float32",
-                                          "vllm_server": {"kv_cache_gb": KV_GB, "timeout_s": 120.0}},
+                                          "vllm_server": {"kv_cache_gb": KV_GB, "timeout_s": 120.0,
+                                                          "restarts": 0}},
                        train={"steps": 3, "checkpoint_every": 1, "threads": 1})
     trainer = Trainer(cfg, tmp_path)
     try:

@@ -2,7 +2,9 @@
 
 Requests go through `httpx` (one pooled client per server, safe across threads). Every failure is a `ServerError`
 naming the server, the route and the cause: a connection refused or reset (the server died), a status other than
-200 with the server's own error text, a request past its timeout (counted in `timeouts`).
+200 with the server's own error text, a request past its timeout (counted in `timeouts`). The server's own failures
+(connection refused or reset, timeout, a 5xx while `/health` fails) are `ServerDown`: the engine retries the
+request elsewhere and recovers the server (`dppo.rollout.server.members`); a request the server refuses is not.
 
 `parse_choice` turns one choice of ``/inference/v1/generate`` into tensors: the response ids, log µ of each token
 (the sampled distribution's, the server runs with ``--logprobs-mode processed_logprobs``), µ's top-K (ids and
@@ -18,14 +20,14 @@ import httpx
 import torch
 from torch import Tensor
 
-from dppo.rollout.server.launch import ServerError
+from dppo.rollout.server.launch import ServerDown, ServerError
 
 
 class ServerClient:
     """One server at `url`; `name` is how errors call it. timeout_s: the longest a request may take."""
 
     def __init__(self, url: str, *, name: str, timeout_s: float, api_key: str | None = None) -> None:
-        self.url, self.name, self.timeout_s = url.rstrip("/"), name, timeout_s
+        self.url, self.name, self.timeout_s, self.api_key = url.rstrip("/"), name, timeout_s, api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers,
                                   limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
@@ -42,14 +44,15 @@ class ServerClient:
         except httpx.TimeoutException as e:
             with self._lock:
                 self.timeouts += 1
-            raise ServerError(f"{self.name} ({self.url}): {path} took longer than its timeout "
-                              f"({timeout_s or self.timeout_s:g} s, rollout.vllm_server.timeout_s)") from e
+            raise ServerDown(f"{self.name} ({self.url}): {path} took longer than its timeout "
+                             f"({timeout_s or self.timeout_s:g} s, rollout.vllm_server.timeout_s)") from e
         except httpx.TransportError as e:
-            raise ServerError(f"{self.name} ({self.url}): {path} failed: {type(e).__name__}: {e} "
-                              f"(is the server running?)") from e
+            raise ServerDown(f"{self.name} ({self.url}): {path} failed: {type(e).__name__}: {e} "
+                             f"(is the server running?)") from e
         if response.status_code != 200:
-            raise ServerError(f"{self.name} ({self.url}): {path} answered {response.status_code}: "
-                              f"{response.text[:2000]}")
+            # a 5xx from a server that no longer passes its health check: the server failed, not the request
+            error = ServerDown if response.status_code >= 500 and not self.healthy() else ServerError
+            raise error(f"{self.name} ({self.url}): {path} answered {response.status_code}: {response.text[:2000]}")
         if not response.content:
             return {}
         try:

