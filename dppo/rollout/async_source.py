@@ -70,6 +70,7 @@ class AsyncSource(RolloutSource):
         self._ids = 0
         self._busy = [0.0] * len(pool.devices)
         self._load = [0.0] * len(pool.devices)
+        self._engine_metrics: dict[int, dict[str, float]] = {}  # worker -> its engine's counters (latest)
         self._since = time.perf_counter()
         self.last_wait_s = 0.0
 
@@ -96,13 +97,17 @@ class AsyncSource(RolloutSource):
 
     def metrics(self) -> dict[str, float]:
         """The trainer's wait for this step's batch (its share of the time since the previous call), each worker's
-        idle share and weight-load seconds since the previous call (averaged over workers)."""
+        idle share and weight-load seconds since the previous call (averaged over workers), and the counters of the
+        workers' engines (`Engine.metrics`, each worker's latest, added up: e.g. server/restarts)."""
         elapsed = max(time.perf_counter() - self._since, 1e-9)
         n = len(self._busy)
         out = {"async/trainer_wait_s": self.last_wait_s, "async/trainer_idle_frac": self.last_wait_s / elapsed,
                "async/worker_idle_frac": sum(max(0.0, 1 - (b + w) / elapsed) for b, w in zip(self._busy, self._load)) / n,
                "async/worker_load_s": sum(self._load) / n}
         self._busy, self._load, self._since = [0.0] * n, [0.0] * n, time.perf_counter()
+        for counters in self._engine_metrics.values():  # the workers' engines' counters, added up
+            for key, value in counters.items():
+                out[key] = out.get(key, 0.0) + value
         return out
 
     # ------------------------------------------------------------------ evaluation
@@ -138,3 +143,4 @@ class AsyncSource(RolloutSource):
             owner.shares[result.id] = (offset, result.rollouts)
             self._busy[result.worker] += result.busy_s
             self._load[result.worker] += result.load_s
+            self._engine_metrics[result.worker] = result.engine_metrics

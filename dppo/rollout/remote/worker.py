@@ -60,6 +60,8 @@ class Result:
     load_s: float = 0.0
     """Seconds spent loading newer weights before it."""
     info: dict[str, Any] = field(default_factory=dict)
+    engine_metrics: dict[str, float] = field(default_factory=dict)
+    """The worker's engine's counters after the request (`Engine.metrics`: run totals, e.g. server restarts)."""
 
 
 def worker_threads(requested: int, cpu_workers: int) -> int:
@@ -118,7 +120,8 @@ class WorkerCore:
         stamp(rollouts, start_version, in_flight=self.engine.between_chunks is not None)
         load_s += self.in_flight_load_s
         return Result(request.id, self.index, rollouts, version=start_version,
-                      busy_s=time.perf_counter() - t0 - self.in_flight_load_s, load_s=load_s)
+                      busy_s=time.perf_counter() - t0 - self.in_flight_load_s, load_s=load_s,
+                      engine_metrics=self.engine.metrics())
 
     def close(self) -> None:
         self.engine.close()

@@ -212,6 +212,11 @@ class ServerEngine:
         """The server processes dppo started (the current one of each; a restart replaces it)."""
         return [m.process for m in self.fleet.members if m.process is not None]
 
+    @property
+    def clients(self) -> list[ServerClient]:
+        """Each server's client (the current one: a restart replaces it), up or not."""
+        return [m.client for m in self.fleet.members]
+
     # --- the Engine protocol -------------------------------------------------------------------------------
 
     @property
