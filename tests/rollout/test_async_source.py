@@ -390,14 +390,18 @@ def test_trainer_with_in_flight_updates_records_every_tokens_version(tmp_path, e
     """In the trainer, whatever versions arrived mid-response (it depends on timing: with 48-token responses and one
     mini-batch about a third of the tokens after step 1 when the machine is quiet), each token's µ is that of the
     version it names and no response started staler than k. vllm-server: the worker's server takes each version
-    through vLLM's weight-update API mid-request (pause keep) and stamps every token with its version."""
+    through vLLM's weight-update API mid-request (pause keep) and stamps every token with its version, and the
+    worker's server counters reach the step's metrics."""
     cfg = replace(_cfg(tmp_path, max_staleness=1, steps=4, in_flight_updates=True, max_new_tokens=48, engine=engine,
                        worker_timeout_s=300.0),  # a server's start included
                   train={"mini_batches": 1})
     trainer = _Recording(cfg, tmp_path)
     try:
-        for _ in range(4):
-            trainer.step()
+        steps = [trainer.step() for _ in range(4)]
+        if engine == "vllm-server":  # the worker's engine counters, through its results
+            assert steps[-1]["server/up"] == 1.0 and steps[-1]["server/failures"] == 0.0
+        else:
+            assert not any(k.startswith("server/") for k in steps[-1])
         model, live = trainer.model, {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
         for step, batch in trainer.batches:
             versions = batch.extras["token_version"]
