@@ -126,3 +126,10 @@ def test_a_single_engine_run_logs_no_per_engine_metric(tmp_path):
     with Trainer(smoke_config(tmp_path), tmp_path) as trainer:
         metrics = trainer.step()
     assert "mismatch/binary_tv_mean" in metrics and not [k for k in metrics if "_engine_" in k]
+
+
+def test_dppo_eval_samples_with_the_fleet(tmp_path):
+    from dppo.train.evaluation import evaluate_checkpoint
+
+    result = evaluate_checkpoint(_cfg(tmp_path), None)
+    assert result["source"] == "base model" and 0.0 <= result["pass@1"] <= 1.0
