@@ -162,7 +162,8 @@ def fleet_specs(cfg: Config, *, seed_offset: int = 0, run_dir: Path | None = Non
     processes, its own log folder <run_dir>/servers/engine_{j})."""
     specs = [engine_spec(cfg, seed_offset=seed_offset + FLEET_SEED_STRIDE * j, run_dir=run_dir, member=member)
              for j, member in enumerate(cfg.rollout.fleet_members)]
-    return [dataclasses.replace(s, log_dir=s.log_dir and str(Path(s.log_dir) / f"engine_{j}")) for j, s in enumerate(specs)]
+    return [dataclasses.replace(s, log_dir=s.log_dir and str(Path(s.log_dir) / f"engine_{j}"))
+            for j, s in enumerate(specs)]
 
 
 def build_rollout_engine(cfg: Config, *, seed_offset: int = 0, run_dir: Path | None = None):

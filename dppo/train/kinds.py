@@ -49,7 +49,8 @@ def check_fleet(rollout) -> None:
             config_fail("rollout.fleet", f"each member names its engine, dtype and fp8 (KIND:DTYPE[:fp8]): leave "
                                          f"rollout.{name} {free} (got {getattr(rollout, name)!r})")
     if rollout.mode != "sync" or rollout.in_flight_updates:
-        config_fail("rollout.fleet", "needs rollout.mode sync (rollout workers and in-flight updates hold one engine)")
+        config_fail("rollout.fleet", "needs rollout.mode sync without in-flight updates (a rollout worker holds one "
+                                     "engine)")
     if rollout.episodes != "single":
         config_fail("rollout.fleet", f"needs rollout.episodes single, got {rollout.episodes!r} (an episode's turns are "
                                      f"separate engine calls: its turns and its group would go to different members)")

@@ -31,7 +31,7 @@ def _cfg(tmp_path, fleet=FLEET, **rollout):
     ({"dtype": "float32"}, r"leave rollout\.dtype auto"),
     ({"quantization": "fp8"}, r"leave rollout\.quantization none"),
     ({"mode": "async"}, r"needs rollout\.mode sync"),
-    ({"mode": "async", "in_flight_updates": True}, r"needs rollout\.mode sync"),
+    ({"in_flight_updates": True}, r"needs rollout\.mode sync without in-flight updates"),
     ({"episodes": "env"}, r"needs rollout\.episodes single, got 'env'"),
     ({"fleet": "vllm:float32,vllm:bfloat16"}, r"at most one in-process vllm member"),
     ({"fleet": "vllm-server:float32,vllm-server:bfloat16", "vllm_server": {"urls": "http://127.0.0.1:8000"}},
