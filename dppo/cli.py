@@ -124,7 +124,8 @@ def parse_config(argv: list[str], *, prog: str, resume: bool = True) -> tuple[Co
     """Resolve the config for `train`/`eval` from argv (raises ConfigError naming the field)."""
     ns, rest = _split_args(argv, resume=resume)
     base, label = _base_config(ns)
-    base = choose(base, engine=_flag(rest, "--rollout.engine"), episodes=_flag(rest, "--rollout.episodes"))
+    base = choose(base, engine=_flag(rest, "--rollout.engine"), episodes=_flag(rest, "--rollout.episodes"),
+                  fleet=_flag(rest, "--rollout.fleet"))
     if "-h" in rest or "--help" in rest:
         tyro.cli(Config, default=base, args=["--help"], prog=prog, description=__doc__ + "\n" + _TOP)
     try:

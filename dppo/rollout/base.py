@@ -138,6 +138,8 @@ class Rollout:
     raw `generate` leaves None)."""
     episode: Episode = field(default_factory=Episode)
     """The episode's record (its counters, transcript and contained error)."""
+    engine: int = 0
+    """The fleet member that sampled it (rollout.fleet, `dppo.rollout.fleet`; 0 for a single engine)."""
     row: int = 0
     """The row's place in its episode: 0 for the first (or only) row, which carries the episode's record. An agent's
     episode through the proxy (`dppo.episodes.agent_rows`) may be several rows (a call that does not extend an earlier

@@ -14,6 +14,7 @@ K+1 = µ's top-K plus the sampled token's slot):
 - `extras["turn_index"]` [B, T] int64: the assistant turn of each token (episodes only; -1 at padding)
 - `extras["episode"]` [B] int64: each row's episode (= the row, but for an agent's multi-row episodes,
   `dppo.episodes.results.row_episodes`); rewards and advantages come per episode and are read through it
+- `extras["engine"]` [B] int64: the fleet member that sampled each row (`Rollout.engine`; 0 for a single engine)
 - `topk_ids`, `topk_logp`, `topk_valid` [B, T, K+1]: µ's top-K cells (None without top-K capture)
 """
 
@@ -118,6 +119,7 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
                 turns[i, :r.turn_index.numel()] = r.turn_index
         extras["turn_index"] = turns
     extras["episode"] = row_episodes(rollouts)  # [B]: each row's episode (an agent's episode may be several rows)
+    extras["engine"] = torch.tensor([r.engine for r in rollouts], dtype=torch.long)  # [B]: its fleet member
     if all(r.token_versions is not None for r in rollouts):  # [B, T]: the weight version of each token
         versions = torch.zeros((B, T), dtype=torch.long)
         for i, r in enumerate(rollouts):

@@ -20,6 +20,7 @@ from torch import nn
 
 from dppo.rewards import RewardRunner
 from dppo.rollout.async_source import AsyncSource
+from dppo.rollout.fleet import FleetEngine, FleetMember
 from dppo.rollout.remote import start_pool
 from dppo.rollout.source import EngineSource
 from dppo.rollout.settings import ENGINES, Adapter
@@ -133,19 +134,44 @@ def build_scorer(cfg: Config, model: nn.Module, dist) -> nn.Module:
     return scorer
 
 
-def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0, run_dir: Path | None = None):
+def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0, run_dir: Path | None = None,
+                member: FleetMember | None = None):
     """The `EngineSpec` of a resolved run config (`dppo.train.resolve.resolve_config`): what an in-process engine
     and every rollout worker are built from, the chosen engine's settings node carried as it is. device: the
     engine's (default: the trainer's). run_dir: where an engine with server processes writes their logs
-    (<run_dir>/servers; default a temporary folder)."""
+    (<run_dir>/servers; default a temporary folder). member: a fleet member's spec instead (its kind's node, its
+    dtype and fp8; `fleet_specs`)."""
     r, m = cfg.rollout, cfg.model
-    engine, dtype, _ = resolve_rollout(cfg)  # "as configured" for a resolved config
+    if member is None:
+        engine, dtype, _ = resolve_rollout(cfg)  # "as configured" for a resolved config
+        member = FleetMember(engine.value, dtype.value, fp8=r.quantization == "fp8")
     adapter = Adapter(m.lora_rank, m.lora_alpha, tuple(m.lora_target_modules)) if m.lora_rank else None
-    return EngineSpec(model_spec(cfg), settings=getattr(r, ENGINES[engine.value].node()), dtype=dtype.value,
+    return EngineSpec(model_spec(cfg), settings=getattr(r, ENGINES[member.kind].node()), dtype=member.dtype,
                       device=device or resolve_device(m.device).type, seed=cfg.train.seed + seed_offset,
-                      top_k_logprobs=cfg.top_k_logprobs, quantization=r.quantization,
+                      top_k_logprobs=cfg.top_k_logprobs, quantization="fp8" if member.fp8 else "none",
                       log_dir=str(Path(run_dir) / "servers") if run_dir is not None else None, adapter=adapter,
                       versions_in_flight=r.max_staleness + 2 if r.mode == "async" else 2)
+
+
+FLEET_SEED_STRIDE = 7919
+"""Fleet member j's engine seed: train.seed + rank + j·FLEET_SEED_STRIDE."""
+
+
+def fleet_specs(cfg: Config, *, seed_offset: int = 0, run_dir: Path | None = None) -> list:
+    """One `EngineSpec` per member of rollout.fleet, in order (each with its own seed and, for a member with server
+    processes, its own log folder <run_dir>/servers/engine_{j})."""
+    specs = [engine_spec(cfg, seed_offset=seed_offset + FLEET_SEED_STRIDE * j, run_dir=run_dir, member=member)
+             for j, member in enumerate(cfg.rollout.fleet_members)]
+    return [dataclasses.replace(s, log_dir=s.log_dir and str(Path(s.log_dir) / f"engine_{j}"))
+            for j, s in enumerate(specs)]
+
+
+def build_rollout_engine(cfg: Config, *, seed_offset: int = 0, run_dir: Path | None = None):
+    """The run's in-process engine with the initial weights of the model: its fleet (`FleetEngine`, rollout.fleet) or
+    its one engine (`engine_spec`)."""
+    if cfg.rollout.fleet:
+        return FleetEngine.from_specs(fleet_specs(cfg, seed_offset=seed_offset, run_dir=run_dir))
+    return build_engine(engine_spec(cfg, seed_offset=seed_offset, run_dir=run_dir))
 
 
 def check_rollout(cfg: Config, trainer_device: torch.device) -> None:
@@ -180,7 +206,7 @@ def build_source(cfg: Config, episodes, *, draw, weights: dict[str, torch.Tensor
     user gave it: `announce_rollout`)."""
     r = cfg.rollout
     if r.mode == "sync":  # ranks sample differently: engine seed train.seed + rank
-        engine = build_engine(engine_spec(cfg, seed_offset=rank, run_dir=run_dir))
+        engine = build_rollout_engine(cfg, seed_offset=rank, run_dir=run_dir)
         return EngineSource(engine, draw, weights=weights, version=version, start_position=position, lag=r.engine_lag,
                             episodes=episodes)
 

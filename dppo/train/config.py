@@ -27,8 +27,9 @@ from dppo._checks import config_positive as _positive
 from dppo.advantages import ADVANTAGES
 from dppo.episodes.settings import EPISODE_KINDS, AgentSettings, EnvSettings
 from dppo.loss_spec import LossSpec, loss_spec
+from dppo.rollout.fleet import FleetMember, parse_fleet
 from dppo.rollout.settings import ENGINES
-from dppo.train.kinds import check_engine, check_episodes
+from dppo.train.kinds import check_engine, check_episodes, check_fleet
 from dppo.train.moved_fields import check_moved
 from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk
 from dppo.run_files.logger import TRACKERS, check_tracker_installed
@@ -96,6 +97,12 @@ class _RolloutSettings:
     """Dtype the engine samples in. auto = bfloat16 where it is native (CUDA with bf16; CPUs with avx512_bf16 or
     AMX), float32 otherwise (emulated bf16 is 3-4x slower). bf16 vs an fp32 trainer is a real mismatch; float16
     (never a default) narrows it at the source, with an fp16 trainer most of all."""
+    fleet: str = ""
+    """A mixed fleet instead of one engine: comma-separated members KIND:DTYPE[:fp8] (e.g. "vllm-server:bfloat16,
+    hf:float32" or "hf:bfloat16,hf:float32,hf:float32:fp8"), each with its kind's node (rollout.hf, ...), sampling
+    whole prompts in turn; every response is tagged with its member j and the mismatch, masked share and reward are
+    also logged per member (`*_engine_{j}`). Needs rollout.engine/dtype auto and rollout.quantization none (each
+    member names its own), sync single-answer rollouts (dppo.rollout.fleet; docs/engines.md). '' = one engine."""
     episodes: EpisodeKind = "single"
     """What one rollout is: single = one answer per prompt, scored by the task's reward; env = multi-turn episodes
     with the environment of the `env` section (env.name); agent = an agent's episodes through dppo's recording proxy
@@ -159,7 +166,9 @@ class _RolloutSettings:
                                         "rollout.max_staleness")
         if self.in_flight_updates and (self.backend != "local" or self.quantization != "none"):
             _fail("rollout.in_flight_updates", "needs rollout.backend local and rollout.quantization none")
-        if self.engine != "auto":
+        if self.fleet:
+            check_fleet(self)
+        elif self.engine != "auto":
             check_engine(self, self.engine)
         for name in ("devices", "backend", "ray_address", "in_flight_updates"):
             if self.mode == "sync" and getattr(self, name) != getattr(RolloutConfig, name):
@@ -167,10 +176,25 @@ class _RolloutSettings:
         for device in self.device_list:
             if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
                 _fail("rollout.devices", f"{device!r} is not a device (expected cpu, cuda or cuda:N, comma-separated)")
-        if self.hf.fp8_activations and self.quantization != "fp8":
-            _fail("rollout.hf.fp8_activations", "needs rollout.quantization fp8")
+        if self.hf.fp8_activations and self.quantization != "fp8" and not any(
+                m.kind == "hf" and m.fp8 for m in self.fleet_members):
+            _fail("rollout.hf.fp8_activations", "needs rollout.quantization fp8 (or an hf member KIND:DTYPE:fp8 of "
+                                                "rollout.fleet)")
         if self.top_k_logprobs is not None and self.top_k_logprobs < 0:
             _fail("rollout.top_k_logprobs", f"expected >= 0, got {self.top_k_logprobs}")
+
+    @property
+    def fleet_members(self) -> tuple[FleetMember, ...]:
+        """The members of rollout.fleet, in order (member j's metrics are `*_engine_{j}`); () without a fleet."""
+        return parse_fleet(self.fleet)
+
+    @property
+    def engine_kinds(self) -> tuple[str, ...]:
+        """The engine kinds the run uses: its fleet members' (in order, once each), or rollout.engine (every kind
+        while it is auto)."""
+        if self.fleet:
+            return tuple(dict.fromkeys(m.kind for m in self.fleet_members))
+        return tuple(ENGINES) if self.engine == "auto" else (self.engine,)
 
     @property
     def device_list(self) -> list[str]:
@@ -472,9 +496,14 @@ class Config:
         if needs_topk(self.loss.trust_region) and self.top_k_logprobs < 1:
             _fail("rollout.top_k_logprobs", f"trust region {self.loss.trust_region!r} needs µ's top-K log-probs: "
                                             f"set >= 1 (or leave it unset for {DEFAULT_TOP_K})")
-        engine = ENGINES.get(self.rollout.engine)  # (None under auto: checked again once auto has chosen)
-        if self.top_k_logprobs and engine is not None and not engine.can_record_top_k:
-            _fail("rollout.top_k_logprobs", f"the {engine.kind} engine does not record µ's top-K log-probs")
+        chosen = self.rollout.engine != "auto" or self.rollout.fleet  # (auto: checked again once it has chosen)
+        for kind in self.rollout.engine_kinds if chosen and self.top_k_logprobs else ():
+            if not ENGINES[kind].can_record_top_k:
+                _fail("rollout.fleet" if self.rollout.fleet else "rollout.top_k_logprobs",
+                      f"the {kind} engine does not record µ's top-K log-probs (K = {self.top_k_logprobs})")
+        if len(self.rollout.fleet_members) > self.rollout.prompts_per_step:
+            _fail("rollout.fleet", f"{len(self.rollout.fleet_members)} members but rollout.prompts_per_step = "
+                                   f"{self.rollout.prompts_per_step}: every member needs at least one prompt per step")
         if self.model.gradient_checkpointing and self.train.scoring_layout == "shared":
             _fail("train.scoring_layout", "'shared' needs the prompts' KV cache, which checkpointed layers do not "
                                           "keep (model.gradient_checkpointing); use 'packed' or 'auto'")
@@ -501,6 +530,9 @@ class Config:
                                "with rollout.episodes agent and agent.name verifiers")
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
             _fail("loss.anchor", "drpo has no mask to anchor")
+        if self.rollout.vllm_server.lora_sync == "adapter" and self.rollout.fleet:
+            _fail("rollout.fleet", "rollout.vllm_server.lora_sync 'adapter' would send every member only the "
+                                   "adapter; use 'merged' with a fleet")
         if self.rollout.vllm_server.lora_sync == "adapter" and not self.model.lora_rank:
             _fail("rollout.vllm_server.lora_sync", "'adapter' needs a LoRA run (model.lora_rank > 0)")
         if self.rollout.vllm_server.lora_sync == "adapter" and self.rollout.quantization != "none":
@@ -523,11 +555,12 @@ class Config:
 
     # -------- (de)serialisation --------
     def to_dict(self) -> dict[str, Any]:
-        """The config as plain data; the rollout section holds only the node of the run's engine (every node while
-        rollout.engine is auto): the settings of an engine the run does not use do not exist."""
+        """The config as plain data; the rollout section holds only the nodes of the run's engines (its engine's, its
+        fleet members', every node while rollout.engine is auto without a fleet): the settings of an engine the run
+        does not use do not exist."""
         data = dataclasses.asdict(self)
         for kind, settings in ENGINES.items():
-            if self.rollout.engine not in ("auto", kind):
+            if kind not in self.rollout.engine_kinds:
                 del data["rollout"][settings.node()]
         return data
 

@@ -17,9 +17,8 @@ from dppo.metrics import maj_at_k, pass_at_k, pass_at_k_values
 from dppo.rewards.votes import VoteRule, episode_text, vote_rule
 from dppo.rollout.base import SamplingParams
 from dppo.rollout.source import EngineSource
-from dppo.rollout.spec import build_engine as engine_from_spec
 from dppo.train.batch import collate
-from dppo.train.build import build_episodes, build_model, build_task, engine_spec
+from dppo.train.build import build_episodes, build_model, build_rollout_engine, build_task
 from dppo.run_files.checkpoint import load_checkpoint, load_full_state, load_latest
 from dppo.run_files.run_dir import checkpoint_path, complete_checkpoints
 from dppo.train.config import Config
@@ -143,7 +142,7 @@ def evaluate_checkpoints(cfg: Config, run_dir: Path | None, *, step: int | None 
                 load_checkpoint_weights(model, ckpt["weights"], folder, flag="--run-dir")
                 origin, at = str(folder), _step_of(folder)
             if source is None:
-                source = EngineSource(engine_from_spec(engine_spec(cfg)), None, weights=engine_state(model), version=at,
+                source = EngineSource(build_rollout_engine(cfg), None, weights=engine_state(model), version=at,
                                       start_position=0, episodes=build_episodes(cfg, task))
             else:
                 source.publish(at, engine_state(model))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dppo.rollout.fleet import fleet_line
 from dppo.runtime import hardware
 from dppo.runtime.hardware import describe
 from dppo.runtime.models import BUILTIN_MODELS
@@ -84,17 +85,25 @@ def resolve_config(cfg: Config) -> Config:
     cfg = replace(absolute_paths(cfg, Path.cwd()), model={"precision": precision.value})
     if not cfg.episode_settings.scored_by_task:  # the environment / agent scores each episode: task.reward unused
         cfg = replace(cfg, task={"reward": ""})
-    return replace(cfg, rollout={"engine": engine.value, "dtype": dtype.value, "top_k_logprobs": cfg.top_k_logprobs},
-                   loss=cfg.loss.spec().to_dict())
+    rollout = {"engine": engine.value, "dtype": dtype.value} if not cfg.rollout.fleet else \
+        {"fleet": ",".join(map(str, cfg.rollout.fleet_members))}  # (a fleet's members name their engines and dtypes)
+    return replace(cfg, rollout={**rollout, "top_k_logprobs": cfg.top_k_logprobs}, loss=cfg.loss.spec().to_dict())
 
 
 def announce_rollout(cfg: Config, announce, *, training: bool = False) -> None:
-    """Say which engine and dtype `auto` chose and why (and the emulated-bf16 warning); `training`: the training
-    precision too (the trainer's start; evaluation and tools only sample)."""
+    """Say which engine and dtype `auto` chose and why (and the emulated-bf16 warning), or with rollout.fleet each
+    member under the index its metrics carry (`engine_{j}`, with the warning of each emulated-bf16 member);
+    `training`: the training precision too (the trainer's start; evaluation and tools only sample)."""
     engine, dtype, warning = resolve_rollout(cfg)
     precision, precision_warning = resolve_precision(cfg) if training else (None, None)
-    for line in (describe(engine, dtype, precision), warning and f"[dppo] warning: {warning}",
-                 precision_warning and f"[dppo] warning: {precision_warning}"):
+    lines = [describe(engine, dtype, precision), warning and f"[dppo] warning: {warning}"]
+    if cfg.rollout.fleet:
+        device = resolve_device(cfg.model.device)
+        warnings = {hardware.resolve_dtype(m.dtype, device)[1] for m in cfg.rollout.fleet_members} - {None}
+        lines = [fleet_line(cfg.rollout.fleet_members) + (f"; training precision {precision.value} "
+                                                          f"({precision.reason})" if precision else ""),
+                 *(f"[dppo] warning: {w} (rollout.fleet)" for w in sorted(warnings))]
+    for line in (*lines, precision_warning and f"[dppo] warning: {precision_warning}"):
         if line and announce is not None:
             announce(line)
 

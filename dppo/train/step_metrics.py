@@ -19,9 +19,10 @@ from dppo.train.batch import RolloutBatch
 class StepAccumulator:
     """Sums per-micro-batch stats as tensors; `result` divides once (no host sync until the step ends)."""
 
-    def __init__(self, device: torch.device, max_staleness: int = 0, max_turns: int = 0) -> None:
+    def __init__(self, device: torch.device, max_staleness: int = 0, max_turns: int = 0, engines: int = 0) -> None:
         self.max_staleness = max_staleness  # the mismatch and masked fraction per staleness 0..k
         self.max_turns = max_turns  # ... and per turn 0..max_turns-1 of multi-turn episodes
+        self.engines = engines  # ... and per fleet member 0..engines-1 (rollout.fleet; 0 = one engine, no split)
         self.sums: dict[str, Tensor] = {}
         self.weights: dict[str, Tensor] = {}
         self.ratio_max = torch.zeros((), device=device)
@@ -32,6 +33,12 @@ class StepAccumulator:
     def _add(self, key: str, value: Tensor, weight: Tensor) -> None:
         self.sums[key] = self.sums.get(key, 0) + value.detach().float() * weight
         self.weights[key] = self.weights.get(key, 0) + weight
+
+    def _add_groups(self, prefix: str, values: Tensor, mask: Tensor, group_index: Tensor, n_groups: int) -> None:
+        """`prefix`_j: the mean of `values` over the tokens of group j (`metrics.per_group_sums`), j < n_groups."""
+        total, count = metrics.per_group_sums(values, mask, group_index, n_groups)
+        for j in range(count.shape[0]):
+            self._add(f"{prefix}_{j}", total[j] / count[j].clamp(min=1), count[j])
 
     def add_minibatch_loss(self, loss: Tensor) -> None:
         self._add("loss/policy", loss, torch.ones((), device=loss.device))
@@ -46,12 +53,12 @@ class StepAccumulator:
         self.ratio_max = torch.maximum(self.ratio_max, stats["ratio_max"].float())
         if "masked_mu_hist" in stats:
             self.hist += stats["masked_mu_hist"]
-        for by in ("staleness", "turn"):
+        for by, name in (("staleness", "stale"), ("turn", "turn"), ("engine", "engine")):
             if f"masked_by_{by}" in stats:
                 n = stats[f"n_by_{by}"]
                 frac = stats[f"masked_by_{by}"] / n.clamp(min=1)
                 for j in range(n.shape[0]):
-                    self._add(f"trust_region/masked_frac_{'stale' if by == 'staleness' else 'turn'}_{j}", frac[j], n[j])
+                    self._add(f"trust_region/masked_frac_{name}_{j}", frac[j], n[j])
 
     def add_mismatch(self, batch: RolloutBatch, micro: Tensor, scores) -> None:
         mask, logp, mu = batch.loss_mask[micro], scores.logp.detach(), batch.rollout_logp[micro]
@@ -66,22 +73,20 @@ class StepAccumulator:
         if scores.entropy is not None:
             self._add("policy/entropy", *metrics.token_mean(scores.entropy, mask))
         if "staleness" in batch.extras:  # (set by `step`; absent in a batch made by hand)
-            total, count = metrics.per_group_sums(binary_tv(logp, mu), mask, batch.extras["staleness"][micro],
-                                                  self.max_staleness + 1)
-            for j in range(count.shape[0]):
-                self._add(f"mismatch/binary_tv_stale_{j}", total[j] / count[j].clamp(min=1), count[j])
-        if self.max_turns and "turn_index" in batch.extras:  # per turn of an episode (generated tokens only)
-            turn = batch.extras["turn_index"][micro]
-            per_token = metrics.token_mismatch(logp, mu, **given)  # µ's top-K on every turn, seen per turn
+            self._add_groups("mismatch/binary_tv_stale", binary_tv(logp, mu), mask, batch.extras["staleness"][micro],
+                             self.max_staleness + 1)
+        splits = []  # per turn of an episode (generated tokens only), per fleet member: (name, group index, groups)
+        if self.max_turns and "turn_index" in batch.extras:
+            splits.append(("turn", batch.extras["turn_index"][micro], self.max_turns))
+        if self.engines and "engine" in batch.extras:
+            splits.append(("engine", batch.extras["engine"][micro], self.engines))
+        per_token = metrics.token_mismatch(logp, mu, **given) if splits else {}  # (µ's top-K on every token)
+        for by, index, n in splits:
             for name in ("binary_tv", "topk_tv") if cells else ("binary_tv",):
-                total, count = metrics.per_group_sums(per_token[name], mask, turn, self.max_turns)
-                for j in range(count.shape[0]):
-                    self._add(f"mismatch/{name}_turn_{j}", total[j] / count[j].clamp(min=1), count[j])
-            if "token_staleness" in batch.extras:
-                stale = batch.extras["token_staleness"][micro].float()
-                total, count = metrics.per_group_sums(stale, mask, turn, self.max_turns)
-                for j in range(count.shape[0]):
-                    self._add(f"rollout/staleness_turn_{j}", total[j] / count[j].clamp(min=1), count[j])
+                self._add_groups(f"mismatch/{name}_{by}", per_token[name], mask, index, n)
+        if self.max_turns and "turn_index" in batch.extras and "token_staleness" in batch.extras:
+            self._add_groups("rollout/staleness_turn", batch.extras["token_staleness"][micro].float(), mask,
+                             batch.extras["turn_index"][micro], self.max_turns)
 
     def add_grad_norm(self, grad_norm: Tensor, loss_finite: Tensor) -> None:
         self.grad_norms.append(grad_norm.float())
@@ -102,11 +107,14 @@ class StepAccumulator:
 
 
 def step_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, reward_stats: dict, adv_stats: dict,
-                 update: dict, *, lr: float, skipped_steps: int, max_staleness: int) -> dict[str, Any]:
+                 update: dict, *, lr: float, skipped_steps: int, max_staleness: int, engines: int = 0) -> dict[str, Any]:
     """The step's metrics before the one host sync (`perf/*` timings are added by the trainer). `success`: [B] bool,
-    each episode's `dppo.episodes.results.episode_success` (reward/accuracy is its mean, as evaluation's pass@1)."""
+    each episode's `dppo.episodes.results.episode_success` (reward/accuracy is its mean, as evaluation's pass@1).
+    engines: the fleet's members (rollout.fleet; 0 = one engine), whose responses are also reported apart
+    (`engine_metrics`)."""
     lengths = batch.response_lengths.float()
     return {
+        **(engine_metrics(batch, rewards, success, engines) if engines else {}),
         "reward/mean": rewards.mean(),
         "reward/std": rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
         "reward/accuracy": success.float().mean(),
@@ -123,6 +131,21 @@ def step_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, reward_s
         "perf/response_tokens": lengths.sum(),
         "perf/prompt_tokens": float(sum(int(p.numel()) for p in batch.prompt_ids)),
     }
+
+
+def engine_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, engines: int) -> dict[str, Tensor]:
+    """Per fleet member j < engines (`extras["engine"]`): its share of the step's responses
+    (`rollout/frac_engine_{j}`), their mean reward, accuracy (`rewards`, `success`: [E] per episode, read per row
+    through `extras["episode"]`) and length."""
+    onehot = (batch.extras["engine"][:, None] == torch.arange(engines, device=rewards.device)).float()  # [B, M]
+    count, episode = onehot.sum(0), batch.extras["episode"]
+    per_row = {"reward/mean": rewards[episode].float(), "reward/accuracy": success[episode].float(),
+               "response/length_mean": batch.response_lengths.float()}
+    out = {f"rollout/frac_engine_{j}": count[j] / onehot.shape[0] for j in range(engines)}
+    for name, values in per_row.items():
+        means = (values @ onehot) / count.clamp(min=1)
+        out.update({f"{name}_engine_{j}": means[j] for j in range(engines)})
+    return out
 
 
 def staleness_metrics(batch: RolloutBatch, max_staleness: int) -> dict[str, Any]:
@@ -147,14 +170,19 @@ def prune_unreached(values: dict[str, float], max_staleness: int) -> dict[str, f
         if out[f"rollout/staleness_frac_{j}"] == 0.0:
             out.pop(f"mismatch/binary_tv_stale_{j}", None)
             out.pop(f"trust_region/masked_frac_stale_{j}", None)
+    for share in [k for k in out if k.startswith("rollout/frac_engine_") and out[k] == 0.0]:  # a member left out
+        suffix = share[len("rollout/frac"):]  # "_engine_{j}"
+        for key in [k for k in out if k.endswith(suffix) and k != share]:
+            out.pop(key)
     return out
 
 
 def loss_diagnostics(stats: dict[str, Tensor], batch: RolloutBatch, micro: Tensor, logp: Tensor,
-                     old_logp: Tensor | None, *, max_staleness: int, max_turns: int) -> dict[str, Tensor]:
+                     old_logp: Tensor | None, *, max_staleness: int, max_turns: int, engines: int = 0) -> dict[str, Tensor]:
     """A loss's stats with its trust-region mask `keep` turned into what `StepAccumulator.add_loss` sums: the
-    masked share by µ bucket, per staleness and per turn of an episode, and with `old_logp` (π_old's log-probs of the
-    micro-batch, loss.split_mismatch) the masked share split into mismatch and update."""
+    masked share by µ bucket, per staleness, per turn of an episode and per fleet member (`engines` > 0), and with
+    `old_logp` (π_old's log-probs of the micro-batch, loss.split_mismatch) the masked share split into mismatch and
+    update."""
     stats = dict(stats)
     if "keep" not in stats:
         return stats
@@ -167,6 +195,9 @@ def loss_diagnostics(stats: dict[str, Tensor], batch: RolloutBatch, micro: Tenso
     if "turn_index" in batch.extras:  # masked tokens per turn of an episode
         stats["masked_by_turn"], stats["n_by_turn"] = metrics.per_group_sums(
             ~keep, mask, batch.extras["turn_index"][micro], max_turns)
+    if engines and "engine" in batch.extras:  # masked tokens per fleet member
+        stats["masked_by_engine"], stats["n_by_engine"] = metrics.per_group_sums(
+            ~keep, mask, batch.extras["engine"][micro], engines)
     if old_logp is not None:
         split = metrics.mismatch_split(logp.detach(), old_logp, rollout_logp, mask, keep)
         split.pop("n_tokens")  # (the loss's own count)

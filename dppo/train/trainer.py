@@ -181,7 +181,7 @@ class Trainer:
                                                            self.cfg.log.samples_per_step))
             values = step_metrics(batch, rewards, success, reward_stats, adv_stats, update_stats,
                                   lr=self.scheduler.get_last_lr()[0], skipped_steps=self.optim.skipped_steps,
-                                  max_staleness=self.source.max_staleness)
+                                  max_staleness=self.source.max_staleness, engines=len(cfg.rollout.fleet_members))
             values.update(self.optim.metrics())  # (fp16: the loss scale and the overflows)
             metrics = prune_unreached(self.dist.reduce_metrics(values), self.source.max_staleness)  # the one sync
             metrics.update(self.episodes.metrics(rollouts))  # (episode/*: multi-turn environments only)
@@ -240,7 +240,7 @@ class Trainer:
     def _update(self, batch: RolloutBatch, adv: Tensor, old, timer: StepTimer | None = None) -> dict[str, Any]:
         cfg = self.cfg
         timer = timer or StepTimer(cuda=self.device.type == "cuda")
-        acc = StepAccumulator(self.device, self.source.max_staleness, self.episodes.max_turns)
+        acc = StepAccumulator(self.device, self.source.max_staleness, self.episodes.max_turns, len(cfg.rollout.fleet_members))
         first = True
         for epoch in range(cfg.train.epochs):
             for mb in minibatches(episode_groups(batch, cfg.rollout.group_size), cfg.train.mini_batches,
@@ -285,7 +285,7 @@ class Trainer:
                                    max_response_len=self.episodes.max_tokens, denominator=denom)
         split_old = old.logp[micro] if old is not None and self.cfg.loss.split_mismatch else None
         stats = loss_diagnostics(stats, batch, micro, scores.logp, split_old, max_staleness=self.source.max_staleness,
-                                 max_turns=self.episodes.max_turns)
+                                 max_turns=self.episodes.max_turns, engines=len(self.cfg.rollout.fleet_members))
         return loss, stats
 
     def _skip_step(self, reason: str, t_start: float) -> dict[str, float]:

@@ -1,0 +1,47 @@
+"""A mixed fleet with a vLLM server (`dppo.rollout.fleet`): a float32 vllm-server member beside a float32 hf member on
+the tiny seeded model. Slow: the server's start costs ~40 s on 2 cores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VLLM_MARKS
+
+from dppo.rollout import SamplingParams, make_engine
+from dppo.rollout.fleet import FleetEngine
+from dppo.rollout.hf import HFEngine
+from dppo.rollout.settings import VLLMServerSettings
+from dppo.runtime.models import save_model
+from dppo.train.batch import collate
+from dppo.train.scoring import score_responses_reference
+
+pytestmark = [*VLLM_MARKS, pytest.mark.slow]
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35], [40, 41, 42]]
+
+
+def test_a_vllm_server_member_beside_an_hf_member(make_tiny_model, tokenizer, tmp_path):
+    """Rollouts prompt-major, prompt i from member i mod 2, after one weight sync to both; each member's µ is the
+    new fp32 model's (1e-4: the server's kernels against a plain forward, as in test_server_engine)."""
+    model = make_tiny_model(seed=0, num_heads=2, num_kv_heads=1)  # head size 32, the smallest vLLM-CPU supports
+    new = make_tiny_model(seed=5, num_heads=2, num_kv_heads=1)
+    folder = save_model(model, tokenizer, tmp_path / "model")
+    server = make_engine("vllm-server", folder, tokenizer, VLLMServerSettings(kv_cache_gb=0.25), seed=0,
+                         log_dir=tmp_path / "logs")
+    fleet = FleetEngine([server, HFEngine(model, tokenizer)])
+    params = SamplingParams(n=3, temperature=0.8, max_new_tokens=12, top_k_logprobs=4)
+    try:
+        fleet.load_weights(new.state_dict())
+        assert fleet.weight_version == 1 and fleet.max_logprobs == server.max_logprobs
+        batch = collate(fleet.generate(PROMPTS, params), pad_id=0)
+    finally:
+        fleet.close()
+    assert batch.prompt_index.tolist() == [i for i in range(4) for _ in range(3)]
+    assert batch.extras["engine"].tolist() == [i % 2 for i in range(4) for _ in range(3)]
+    with torch.no_grad():
+        ref = score_responses_reference(new, batch.prompt_ids, batch.response_ids, batch.response_mask,
+                                        temperature=0.8, topk_ids=batch.rollout_topk_ids)
+    mask = batch.response_mask
+    assert torch.allclose(ref.logp[mask], batch.rollout_logp[mask], rtol=0, atol=1e-4)
+    valid = batch.rollout_topk_valid & mask[..., None]
+    assert torch.allclose(ref.topk_logp[valid], batch.rollout_topk_logp[valid], rtol=0, atol=1e-4)
