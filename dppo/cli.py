@@ -7,6 +7,7 @@
                [--section.field VALUE ...]
     dppo export RUN_DIR [--step N] OUT [--merged]
     dppo plot  RUN_DIR [RUN_DIR ...] [--out FILE]
+    dppo doctor RUN_DIR [--no-picture]     (why is this run unstable? the trust-region ledger read in plain words)
     dppo presets
     dppo sft   [--preset NAME | --config FILE] --out DIR [--steps N] [--batch-size N] [--lr X] [--examples N]
                [--overwrite] [--section.field VALUE ...]
@@ -321,6 +322,22 @@ def cmd_plot(argv: list[str]) -> int:
     return 0
 
 
+def cmd_doctor(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="dppo doctor", description="Why is this run unstable? Reads a run directory "
+                                "(also a running one) and says which source drives the policy's drift from µ, "
+                                "what the trust region masks, and what to change (dppo.doctor).")
+    p.add_argument("run_dir", help="a run directory (with metrics.jsonl and config.yaml)")
+    p.add_argument("--no-picture", action="store_true", help="do not write <run_dir>/doctor.png")
+    args = p.parse_args(argv)
+    from dppo.doctor import main as doctor
+
+    try:
+        doctor(args.run_dir, picture=not args.no_picture)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from exc
+    return 0
+
+
 def cmd_presets(argv: list[str]) -> int:
     width = max(map(len, PRESETS))
     for name, (_, summary) in PRESETS.items():
@@ -403,7 +420,7 @@ def cmd_sanity(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": cmd_plot, "presets": cmd_presets,
-            "diagnose": cmd_diagnose, "sanity": cmd_sanity, "sft": cmd_sft}
+            "diagnose": cmd_diagnose, "sanity": cmd_sanity, "sft": cmd_sft, "doctor": cmd_doctor}
 ONE_LINE = {ConfigError: 2, InputError: 2, DistributedError: 2, RunDirError: 1, CheckpointError: 1}
 """The errors `main` prints as one line (the message names the culprit), with their exit status."""
 

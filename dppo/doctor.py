@@ -171,22 +171,25 @@ def _advice(report: Report, rollout: dict, model: dict, loss: dict, optim: dict,
                              "the recompute anchor does not help (the paper's §5.2)")
     elif report.dominant == "staleness":
         knob = "--rollout.engine-lag" if lag else "--rollout.max-staleness"
-        report.advice.append(f"the responses are up to {max(lag, staleness)} step(s) stale: lower {knob}, or sample "
-                             f"more often (rollout.in_flight_updates under rollout.mode async)")
-    elif report.dominant == "learning":
+        report.advice.append(f"the responses are up to {max(lag, staleness)} step(s) stale ({knob[2:]}): lower it, or "
+                             f"let newer weights reach responses in flight (rollout.in_flight_updates, async)")
+    entropy = [_mean([r], "policy/entropy") for r in recent]
+    entropy = [e for e in entropy if e is not None]
+    collapsing = len(entropy) >= 2 and entropy[0] > 0 and entropy[-1] < 0.5 * entropy[0]
+    if collapsing:
+        report.findings.append(f"the policy's entropy halved over steps {recent[0]['step']}-{recent[-1]['step']} "
+                               f"({entropy[0]:.3f} -> {entropy[-1]:.3f})")
+    if report.dominant == "learning":
         mass = report.masked_mass or 0.0
-        if mass >= MASK_ALARM and lr is not None:
-            report.advice.append(f"the updates push hard against the trust region ({mass:.1%} of the gradient mass "
-                                 f"masked): a smaller learning rate (optim.lr {lr:g} -> {lr / 2:g}), or fewer "
-                                 f"mini-batches or epochs per rollout batch")
+        if mass >= MASK_ALARM or collapsing:
+            why = (f"the updates push hard against the trust region ({mass:.1%} of the gradient mass masked)"
+                   if mass >= MASK_ALARM else "the updates sharpen the policy fast (its entropy halved)")
+            smaller = f" (optim.lr {lr:g} -> {lr / 2:g})" if lr is not None else ""
+            report.advice.append(f"{why}: a smaller learning rate{smaller}, or fewer mini-batches or epochs per "
+                                 f"rollout batch; a tighter δ holds each update closer to µ")
         else:
             report.advice.append("learning leads the drift and the mask holds it: the run looks healthy on this "
                                  "count")
-    entropy = [_mean([r], "policy/entropy") for r in recent]
-    entropy = [e for e in entropy if e is not None]
-    if len(entropy) >= 2 and entropy[0] > 0 and entropy[-1] < 0.5 * entropy[0]:
-        report.findings.append(f"the policy's entropy halved over steps {recent[0]['step']}-{recent[-1]['step']} "
-                               f"({entropy[0]:.3f} -> {entropy[-1]:.3f})")
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> Path | None:

@@ -1,6 +1,8 @@
 """`dppo doctor` on constructed runs where the answer is known: rows written as a run writes them (the ledger's keys),
 one dominant source at a time, a source that took over mid-run, a run without the drift split, a running run's
-torn last line; and the advice it gives for each."""
+torn last line; and real runs of the tiny model where one source is the only one: a bf16 engine beside an fp32
+trainer with a negligible learning rate (precision), an fp32 engine 2 steps stale (staleness), an fp32 engine and a
+too-high learning rate (learning)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ BF16 = {"rollout": {"engine": "vllm", "dtype": "bfloat16", "engine_lag": 0}, "mo
 @pytest.mark.parametrize("source, parts, config, advice", [
     ("precision", (0.02, 0.0, 0.002), BF16, "--rollout.dtype float32"),
     ("staleness", (1e-6, 0.05, 0.01), {"rollout": {"dtype": "float32", "engine_lag": 4}, "model": {"precision": "fp32"}},
-     "--rollout.engine-lag"),
+     "(rollout.engine-lag): lower it"),
     ("learning", (1e-6, 0.0, 0.08), {"rollout": {"dtype": "float32"}, "model": {"precision": "fp32"},
                                      "optim": {"lr": 1e-4}}, "optim.lr 0.0001 -> 5e-05"),
 ])
@@ -81,3 +83,40 @@ def test_a_damaged_line_inside_the_log_is_named(tmp_path):
         doctor.read_rows(tmp_path)
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         doctor.read_rows(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("source, sections, advice", [
+    ("precision", {"rollout": {"dtype": "bfloat16"}, "optim": {"lr": 1e-7}}, "--rollout.dtype float32"),
+    ("staleness", {"rollout": {"engine_lag": 2}, "optim": {"lr": 1e-3}}, "up to 2 step(s) stale"),
+    ("learning", {"optim": {"lr": 3e-2}}, "a smaller learning rate (optim.lr 0.03 -> 0.015)"),
+])
+def test_the_doctor_names_the_source_of_real_runs(tmp_path, source, sections, advice):
+    from conftest import smoke_config
+
+    from dppo.cli import main
+    from dppo.train.trainer import Trainer
+
+    cfg = smoke_config(tmp_path, loss={"split_mismatch": True}, train={"steps": 6, "threads": 1}, **sections)
+    trainer = Trainer(cfg, tmp_path)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    trainer.cfg.save(tmp_path / "config.yaml")  # (as `dppo train` writes it)
+    report = doctor.diagnose(doctor.read_rows(tmp_path), yaml_config(tmp_path))
+    assert report.dominant == source and report.shares[source] > 0.75, report.text()
+    assert any(advice in a for a in report.advice), report.advice
+    assert main(["doctor", str(tmp_path), "--no-picture"]) == 0
+
+
+def yaml_config(run_dir) -> dict:
+    import yaml
+
+    return yaml.safe_load((run_dir / "config.yaml").read_text())
+
+
+def test_doctor_on_a_missing_run_is_one_line(tmp_path, capsys):
+    from dppo.cli import main
+
+    assert main(["doctor", str(tmp_path / "nope")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err

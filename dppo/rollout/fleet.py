@@ -159,13 +159,9 @@ class FleetEngine:
             member.enable_prefix_cache(max_tokens)
 
     def metrics(self) -> dict[str, float]:
-        """The members' own counters (an engine's `metrics()`, where it has one), as `engine_{j}/<name>`."""
-        out = {}
-        for j, member in enumerate(self.members):
-            counters = getattr(member, "metrics", None)
-            if callable(counters):
-                out.update({f"engine_{j}/{k}": v for k, v in counters().items()})
-        return out
+        """The members' own counters (`Engine.metrics`: e.g. a vllm-server member's server faults), as
+        `engine_{j}/<name>`."""
+        return {f"engine_{j}/{k}": v for j, member in enumerate(self.members) for k, v in member.metrics().items()}
 
     def close(self) -> None:
         """Close every member (all of them, even when one raises; the first error is raised after)."""

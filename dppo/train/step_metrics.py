@@ -14,6 +14,7 @@ from torch import Tensor
 from dppo import metrics
 from dppo.divergence import binary_tv
 from dppo.train.batch import RolloutBatch
+from dppo.train.step_ledger import LedgerSums, micro_terms, step_terms
 
 
 class StepAccumulator:
@@ -29,6 +30,7 @@ class StepAccumulator:
         self.grad_norms: list[Tensor] = []
         self.nonfinite_losses = torch.zeros((), device=device)
         self.hist = torch.zeros(len(metrics.MU_BUCKETS) + 1, device=device)
+        self.ledger = LedgerSums()  # the trust-region ledger (`dppo.train.step_ledger`)
 
     def _add(self, key: str, value: Tensor, weight: Tensor) -> None:
         self.sums[key] = self.sums.get(key, 0) + value.detach().float() * weight
@@ -44,6 +46,8 @@ class StepAccumulator:
         self._add("loss/policy", loss, torch.ones((), device=loss.device))
 
     def add_loss(self, stats: dict[str, Tensor]) -> None:
+        stats = dict(stats)
+        self.ledger.add(stats.pop("ledger", {}))
         n = stats["n_tokens"]
         for name, value, weight in metrics.loss_terms(stats):  # the loss's means, under `metrics.NAMES`
             self._add(name, value, weight)
@@ -102,12 +106,14 @@ class StepAccumulator:
         out["optim/nonfinite_grad_steps"] = (~torch.isfinite(norms)).float().sum()
         out["optim/nonfinite_loss_steps"] = self.nonfinite_losses
         out.update({f"trust_region/{k}": v for k, v in metrics.masked_mu_shares(self.hist).items()})
+        out.update(self.ledger.result())
         return out
 
 
 
 def step_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, reward_stats: dict, adv_stats: dict,
-                 update: dict, *, lr: float, skipped_steps: int, max_staleness: int, engines: int = 0) -> dict[str, Any]:
+                 update: dict, *, lr: float, skipped_steps: int, max_staleness: int, engines: int = 0,
+                 adv: Tensor | None = None, group_size: int = 1) -> dict[str, Any]:
     """The step's metrics before the one host sync (`perf/*` timings are added by the trainer). `success`: [B] bool,
     each episode's `dppo.episodes.results.episode_success` (reward/accuracy is its mean, as evaluation's pass@1).
     engines: the fleet's members (rollout.fleet; 0 = one engine), whose responses are also reported apart
@@ -115,6 +121,7 @@ def step_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, reward_s
     lengths = batch.response_lengths.float()
     return {
         **(engine_metrics(batch, rewards, success, engines) if engines else {}),
+        **(step_terms(rewards, adv, group_size) if adv is not None else {}),
         "reward/mean": rewards.mean(),
         "reward/std": rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
         "reward/accuracy": success.float().mean(),
@@ -178,11 +185,13 @@ def prune_unreached(values: dict[str, float], max_staleness: int) -> dict[str, f
 
 
 def loss_diagnostics(stats: dict[str, Tensor], batch: RolloutBatch, micro: Tensor, logp: Tensor,
-                     old_logp: Tensor | None, *, max_staleness: int, max_turns: int, engines: int = 0) -> dict[str, Tensor]:
+                     old_logp: Tensor | None, *, max_staleness: int, max_turns: int, engines: int = 0,
+                     adv: Tensor | None = None) -> dict[str, Tensor]:
     """A loss's stats with its trust-region mask `keep` turned into what `StepAccumulator.add_loss` sums: the
-    masked share by µ bucket, per staleness, per turn of an episode and per fleet member (`engines` > 0), and with
-    `old_logp` (π_old's log-probs of the micro-batch, loss.split_mismatch) the masked share split into mismatch and
-    update."""
+    masked share by µ bucket, per staleness, per turn of an episode and per fleet member (`engines` > 0), with
+    `old_logp` (π_old's log-probs of the micro-batch: loss.split_mismatch or the recompute anchor) the masked share
+    split into mismatch and update, and with `adv` (the micro-batch's advantages) the trust-region ledger's terms
+    (`dppo.train.step_ledger`, under "ledger")."""
     stats = dict(stats)
     if "keep" not in stats:
         return stats
@@ -202,6 +211,12 @@ def loss_diagnostics(stats: dict[str, Tensor], batch: RolloutBatch, micro: Tenso
         split = metrics.mismatch_split(logp.detach(), old_logp, rollout_logp, mask, keep)
         split.pop("n_tokens")  # (the loss's own count)
         stats.update(split)
+    if adv is not None:
+        stale = batch.extras.get("token_staleness", batch.extras.get("staleness"))
+        reward = batch.extras.get("reward")
+        stats["ledger"] = micro_terms(keep, logp, rollout_logp, adv, mask, old_logp=old_logp,
+                                      staleness=None if stale is None else stale[micro],
+                                      rewards=None if reward is None else reward[micro])
     return stats
 
 

@@ -168,6 +168,7 @@ class Trainer:
             return self._skip_step(skip, t_start)
         with timer.time("reward"):  # after the agreement: under torchrun a collective (the global batch's rewards)
             adv, adv_stats = self._advantages(rewards, batch.extras["episode"])  # per row, its episode's
+            batch.extras["reward"] = rewards[batch.extras["episode"]]  # per row (the ledger's surrogate)
         with timer.time("recompute"):
             old = self._recompute(batch) if cfg.loss.anchor == "recompute" or cfg.loss.split_mismatch else None
         with timer.time("training"):
@@ -181,7 +182,8 @@ class Trainer:
                                                            self.cfg.log.samples_per_step))
             values = step_metrics(batch, rewards, success, reward_stats, adv_stats, update_stats,
                                   lr=self.scheduler.get_last_lr()[0], skipped_steps=self.optim.skipped_steps,
-                                  max_staleness=self.source.max_staleness, engines=len(cfg.rollout.fleet_members))
+                                  max_staleness=self.source.max_staleness, engines=len(cfg.rollout.fleet_members),
+                                  adv=adv, group_size=cfg.rollout.group_size)
             values.update(self.optim.metrics())  # (fp16: the loss scale and the overflows)
             metrics = prune_unreached(self.dist.reduce_metrics(values), self.source.max_staleness)  # the one sync
             metrics.update(self.episodes.metrics(rollouts))  # (episode/*: multi-turn environments only)
@@ -283,9 +285,9 @@ class Trainer:
                              batch_stats=batch_stats)
         loss, stats = self.loss_fn(scores.logp, rollout_logp, adv[micro], mask, self.loss_spec, inputs,
                                    max_response_len=self.episodes.max_tokens, denominator=denom)
-        split_old = old.logp[micro] if old is not None and self.cfg.loss.split_mismatch else None
-        stats = loss_diagnostics(stats, batch, micro, scores.logp, split_old, max_staleness=self.source.max_staleness,
-                                 max_turns=self.episodes.max_turns, engines=len(self.cfg.rollout.fleet_members))
+        stats = loss_diagnostics(stats, batch, micro, scores.logp, None if old is None else old.logp[micro],
+                                 max_staleness=self.source.max_staleness, max_turns=self.episodes.max_turns,
+                                 engines=len(self.cfg.rollout.fleet_members), adv=adv[micro])
         return loss, stats
 
     def _skip_step(self, reason: str, t_start: float) -> dict[str, float]:
