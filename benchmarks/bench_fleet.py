@@ -17,8 +17,9 @@ masked share (mean and largest step; trust_region/masked_frac_engine_j); "collap
 fell below the first-5 by more than 0.05, pass@1 fell by more than 0.05, or a step was skipped. Prints a table,
 then one JSON line (also written to `--json`).
 
-    nice .venv/bin/python benchmarks/bench_fleet.py --out runs/fleet-study --json docs/data/fleet/fleet_study.json
-    .venv/bin/python benchmarks/bench_fleet.py --out runs/fleet-study --report      # the table only
+    nice .venv/bin/python benchmarks/bench_fleet.py --out runs/fleet-study --arms fp32,bf16,fleet,fp8,fleet3 \
+        --json docs/data/fleet/fleet_study.json                # ~46 min on 2 Zen 4 cores (docs/paper.md)
+    .venv/bin/python benchmarks/bench_fleet.py --out runs/fleet-study --arms fp32,bf16,fleet,fp8,fleet3 --report
 """
 
 from __future__ import annotations
