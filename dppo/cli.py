@@ -56,6 +56,7 @@ from dppo.train.kinds import choose
 from dppo.train.distributed import DistributedError, world_from_env
 from dppo.train.evaluation import evaluate_checkpoints, load_checkpoint_weights
 from dppo.train.plot import plot_runs
+from dppo.run_files.doctor import main as doctor
 from dppo.train.presets import PRESETS, get_preset
 from dppo.train.sft import agent_sft, save_model
 from dppo.train.trainer import Trainer
@@ -325,12 +326,10 @@ def cmd_plot(argv: list[str]) -> int:
 def cmd_doctor(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="dppo doctor", description="Why is this run unstable? Reads a run directory "
                                 "(also a running one) and says which source drives the policy's drift from µ, "
-                                "what the trust region masks, and what to change (dppo.doctor).")
+                                "what the trust region masks, and what to change (dppo.run_files.doctor).")
     p.add_argument("run_dir", help="a run directory (with metrics.jsonl and config.yaml)")
     p.add_argument("--no-picture", action="store_true", help="do not write <run_dir>/doctor.png")
     args = p.parse_args(argv)
-    from dppo.doctor import main as doctor
-
     try:
         doctor(args.run_dir, picture=not args.no_picture)
     except FileNotFoundError as exc:

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from dppo import doctor
+from dppo.run_files import doctor
 
 
 def row(step: int, precision: float, staleness: float, learning: float, *, masked=0.1, on_mismatch=0.5,

@@ -110,7 +110,9 @@ def test_no_trained_response_is_staler_than_k_and_mu_is_its_versions_distributio
             if m[f"rollout/staleness_frac_{j}"] == 1.0:
                 assert m[f"mismatch/binary_tv_stale_{j}"] == pytest.approx(m["mismatch/binary_tv_mean"], rel=1e-5)
                 assert m[f"trust_region/masked_frac_stale_{j}"] == pytest.approx(m["trust_region/masked_frac"], abs=1e-7)
-    assert metrics[-1]["rollout/staleness_mean"] == k and metrics[-1]["mismatch/binary_tv_mean"] > 0
+    # a step whose whole batch is k stale: the workers ran the full k ahead (not necessarily the last step: on a loaded
+    # machine a slow worker can fall back, as seen in the full suite beside the vLLM server fault tests)
+    assert any(m["rollout/staleness_mean"] == k for m in metrics) and metrics[-1]["mismatch/binary_tv_mean"] > 0
     assert all(0 <= m["async/trainer_idle_frac"] <= 1 and 0 <= m["async/worker_idle_frac"] <= 1 for m in metrics)
 
 

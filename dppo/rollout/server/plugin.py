@@ -6,6 +6,8 @@ starts the watchdog that takes the server's whole group down when their parent d
 
 from __future__ import annotations
 
+from dppo.rollout.server.watchdog import watch_parent
+
 BACKEND = "dppo_shm"
 CHECKED_CONFIG = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "intermediate_size", "tie_word_embeddings")
@@ -14,8 +16,6 @@ CHECKED_CONFIG = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attenti
 
 
 def register() -> None:
-    from dppo.rollout.server.watchdog import watch_parent
-
     watch_parent()  # (a no-op outside a dppo server)
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
