@@ -11,6 +11,12 @@ A ≫ B with C ≈ B and D ≈ A says new shapes cost (kernel/primitive set-up p
 leaves state that slows the next update (allocator, caches, threads). `step/parts` = the step over (generation
 alone + the update alone), as `bench_vs_trl.py` reports it.
 
+The trust-region ledger's cost (issue 52, `dppo.train.step_ledger`): the time of the ledger's own work on the step's
+batch, exactly as the trainer calls it — every micro-batch's terms with π_old given (the drift split and the masked
+mass by source: the ledger's largest form, when the run recomputes π_old), their sum over the step and the step's
+group terms — against the step (`ledger/step`). π_old and π are computed first, untimed: the recompute is the
+run's own forward, not the ledger's.
+
     nice .venv/bin/python benchmarks/bench_step_overhead.py                       # SmolLM2-135M, fp32, hf engine
     nice .venv/bin/python benchmarks/bench_step_overhead.py --model random-10m --steps 3
 """
@@ -33,6 +39,7 @@ import torch  # noqa: E402
 
 from dppo.rollout.source import stamp  # noqa: E402
 from dppo.train.batch import collate  # noqa: E402
+from dppo.train.step_ledger import LedgerSums, micro_terms, step_terms  # noqa: E402
 from dppo.train.trainer import Trainer  # noqa: E402
 
 
@@ -42,6 +49,24 @@ class _Keep(Trainer):
     def _update(self, batch, adv, old, timer=None):
         self.last = (batch, adv)
         return super()._update(batch, adv, old, timer)
+
+
+def ledger_seconds(trainer: Trainer, batch, adv, repeats: int = 5) -> float:
+    """The median time of the ledger's work on `batch` over `repeats` (see the module docstring)."""
+    old = trainer._recompute(batch).logp  # π_old (and, unchanged, π): the run's forward, untimed
+    keep = batch.loss_mask.clone()
+    micros = torch.arange(batch.response_ids.shape[0], device=trainer.device).split(trainer.cfg.train.micro_batch_size)
+    stale, reward = batch.extras["staleness"], batch.extras["reward"]  # (single answers: one row per episode)
+
+    def once() -> None:
+        sums = LedgerSums()
+        for m in micros:
+            sums.add(micro_terms(keep[m], old[m], batch.rollout_logp[m], adv[m], batch.loss_mask[m], old_logp=old[m],
+                                 staleness=stale[m], rewards=reward[m]))
+        sums.result()
+        step_terms(reward, adv, trainer.cfg.rollout.group_size)
+
+    return statistics.median(timed(once) for _ in range(repeats))
 
 
 def main() -> None:
@@ -80,6 +105,7 @@ def main() -> None:
         new.extras["staleness"] = torch.zeros(new.response_ids.shape[0], dtype=torch.long, device=trainer.device)
         new_adv = torch.randn(new.response_ids.shape[0], device=trainer.device)
         row["D_new_not_after_gen_s"] = timed(lambda: trainer._update(new, new_adv, None))
+        row["ledger_s"] = ledger_seconds(trainer, batch, adv)
         row["response_T"] = int(batch.response_ids.shape[1])
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
@@ -88,11 +114,14 @@ def main() -> None:
     parts = med["gen_alone_s"] + med["B_same_again_s"]
     print(f"\n{args.model} {args.precision} engine {args.engine}, {args.prompts}x{args.gens}, {args.new} new tokens, "
           f"{args.threads} threads, median of {args.steps} steps")
-    print(f"{'step':>8}{'gen':>8}{'A step':>9}{'B again':>9}{'C after gen':>13}{'D new shapes':>14}{'step/parts':>12}")
+    print(f"{'step':>8}{'gen':>8}{'A step':>9}{'B again':>9}{'C after gen':>13}{'D new shapes':>14}{'step/parts':>12}"
+          f"{'ledger ms':>11}{'ledger/step':>13}")
     print(f"{med['step_s']:>8.2f}{med['gen_s']:>8.2f}{med['A_in_step_s']:>9.2f}{med['B_same_again_s']:>9.2f}"
-          f"{med['C_old_after_gen_s']:>13.2f}{med['D_new_not_after_gen_s']:>14.2f}{med['step_s'] / parts:>12.2f}")
+          f"{med['C_old_after_gen_s']:>13.2f}{med['D_new_not_after_gen_s']:>14.2f}{med['step_s'] / parts:>12.2f}"
+          f"{1000 * med['ledger_s']:>11.1f}{med['ledger_s'] / med['step_s']:>13.2%}")
     emit({"model": args.model, "precision": args.precision, "engine": args.engine, **med,
-          "step_over_parts": med["step_s"] / parts, "A_over_B": med["A_in_step_s"] / med["B_same_again_s"]})
+          "step_over_parts": med["step_s"] / parts, "A_over_B": med["A_in_step_s"] / med["B_same_again_s"],
+          "ledger_over_step": med["ledger_s"] / med["step_s"]})
 
 
 if __name__ == "__main__":
