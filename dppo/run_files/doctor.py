@@ -101,7 +101,7 @@ def diagnose(rows: list[dict[str, Any]], config: dict[str, Any] | None = None) -
     first, last = int(recent[0]["step"]), int(recent[-1]["step"])
     means = {s: _mean(recent, f"ledger/drift_{s}") for s in SOURCES}
     if any(v is None for v in means.values()):
-        report.findings.append("the run logged no drift split (it needs π_old: run with --loss.split-mismatch true, "
+        report.findings.append("the run logged no drift split (it needs π_old: run with --loss.split-mismatch, "
                                "or --loss.anchor recompute, which make one no-grad forward per step)")
     else:
         total = sum(means.values())
