@@ -29,7 +29,7 @@ turn, while a re-tokenised prompt shares the cached prefix only up to the first 
     the engine sampled (then µ, recorded on the sampled ids, no longer lines up with what is trained).
 (c) **sources**: the same episodes (EOS kept here: a worker builds its own engine from the spec, so its `eos_ids`
     cannot be emptied) through an `EngineSource` (rollout.mode sync) and an `AsyncSource` with one local worker
-    process (rollout.mode async, max_staleness 1, `--threads` threads), built as `dppo.train.build.build_source`
+    process (rollout.mode async, max_staleness 1, `--threads` threads), built as `dppo.train.rollout_build.build_source`
     builds them. Each step is `take(step)` then `publish(step + 1, weights)` with no training in between, so this
     measures the sources' own cost (transport, pickling, worker start excluded), not the overlap with training
     (benchmarks/bench_async.py measures that). A step is the time from one `take`'s return to the next's (median

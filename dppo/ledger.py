@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dppo.metrics import _acc, _on
+
 __all__ = ["bound_penalties", "bound_terms", "drift_parts", "drift_shares", "grad_snr", "group_stats", "mass_shares",
            "masked_mass", "surrogate_gain"]
 
@@ -39,14 +41,6 @@ DRIFT_KEYS = ("ledger/drift_precision", "ledger/drift_staleness", "ledger/drift_
 MASS_KEYS = ("ledger/masked_mass_mismatch_pos", "ledger/masked_mass_mismatch_neg",
              "ledger/masked_mass_update_pos", "ledger/masked_mass_update_neg")
 """`masked_mass`' sums over the masked tokens, by source and advantage sign (divided by "ledger/mass" at the end)."""
-
-
-def _acc(x: Tensor) -> Tensor:
-    return x.detach().to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _on(x: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 device, seed, K, quantisation), frozen and picklable, and `build_engine(spec)` is the one factory.
 
 The trainer's process and a rollout worker in another process build their engines the same way, from the same
-spec (`dppo.train.build.engine_spec` makes it from the run config), so an engine never sees the run config. The
+spec (`dppo.train.rollout_build.engine_spec` makes it from the run config), so an engine never sees the run config. The
 engine's own settings are its kind's settings class (`dppo.rollout.settings`), carried as they are in
 `spec.settings`; the engine class builds itself from the spec (`from_spec`), so there is one dispatch: the kind's
 registry entry. The engine is built with the architecture and initial weights of `spec.model`; its owner (a

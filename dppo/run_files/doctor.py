@@ -91,8 +91,7 @@ def _leader(row: dict) -> str | None:
 def diagnose(rows: list[dict[str, Any]], config: dict[str, Any] | None = None) -> Report:
     """The doctor's reading of a run's logged steps (`read_rows`) and its config.yaml as a dict (see the module)."""
     config = config or {}
-    rollout, model = config.get("rollout", {}), config.get("model", {})
-    loss, optim = config.get("loss", {}), config.get("optim", {})
+    rollout, model, optim = config.get("rollout", {}), config.get("model", {}), config.get("optim", {})
     report = Report(steps=len(rows))
     if not rows:
         report.findings.append("no training step logged yet")
@@ -123,7 +122,7 @@ def diagnose(rows: list[dict[str, Any]], config: dict[str, Any] | None = None) -
         report.evidence.append("mean |log-ratio part| per token, steps %d-%d: " % (first, last) + ", ".join(
             f"{s} {means[s]:.2e} ({report.shares[s]:.0%})" for s in SOURCES))
     _mask(report, recent)
-    _advice(report, rollout, model, loss, optim, recent)
+    _advice(report, rollout, model, optim, recent)
     return report
 
 
@@ -153,7 +152,7 @@ def _mask(report: Report, recent: list[dict]) -> None:
                                f"mass: the update's own push), which is its job")
 
 
-def _advice(report: Report, rollout: dict, model: dict, loss: dict, optim: dict, recent: list[dict]) -> None:
+def _advice(report: Report, rollout: dict, model: dict, optim: dict, recent: list[dict]) -> None:
     dtype, precision = rollout.get("dtype"), model.get("precision")
     lag, staleness = rollout.get("engine_lag", 0) or 0, rollout.get("max_staleness", 0) or 0
     lr = optim.get("lr")

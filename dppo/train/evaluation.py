@@ -18,7 +18,8 @@ from dppo.rewards.votes import VoteRule, episode_text, vote_rule
 from dppo.rollout.base import SamplingParams
 from dppo.rollout.source import EngineSource
 from dppo.train.batch import collate
-from dppo.train.build import build_episodes, build_model, build_rollout_engine, build_task
+from dppo.train.build import build_episodes, build_model, build_task
+from dppo.train.rollout_build import build_rollout_engine
 from dppo.run_files.checkpoint import load_checkpoint, load_full_state, load_latest
 from dppo.run_files.run_dir import checkpoint_path, complete_checkpoints
 from dppo.train.config import Config

@@ -35,9 +35,9 @@ from dppo.run_files.logger import RunLogger
 from dppo.runtime.faults import fault_point
 from dppo.train.batch import RolloutBatch, collate, episode_groups, loss_inputs, minibatches, stamp_staleness
 from dppo.train.batch_stats import mini_batch_statistics
-from dppo.train.build import (build_episodes, build_model, build_scorer, build_source, build_task, check_environment,
-                              check_rollout)
+from dppo.train.build import build_episodes, build_model, build_scorer, build_task, check_environment
 from dppo.train.config import Config
+from dppo.train.rollout_build import build_source, check_rollout
 from dppo.train.distributed import init_from_env
 from dppo.train.evaluation import eval_line, evaluate, vote_rule
 from dppo.train.optim import GuardedOptimizer

@@ -353,7 +353,8 @@ def test_a_local_worker_loads_a_version_published_mid_response(tmp_path):
     from dppo.rollout.remote.local import _load_latest
     from dppo.rollout.remote.worker import Request, WorkerCore
     from dppo.train.batch import collate
-    from dppo.train.build import build_model, engine_spec
+    from dppo.train.build import build_model
+    from dppo.train.rollout_build import engine_spec
 
     cfg = _cfg(tmp_path, in_flight_updates=True, max_new_tokens=20)
     core = WorkerCore(engine_spec(cfg, device="cpu"), 0, 1)

@@ -9,7 +9,7 @@ import pickle
 import pytest
 
 from dppo.rollout.spec import EngineSpec, build_engine
-from dppo.train.build import engine_spec
+from dppo.train.rollout_build import engine_spec
 from dppo.train.resolve import resolve_config
 from dppo.train.config import Config, replace
 from dppo.train.presets import get_preset

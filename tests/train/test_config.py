@@ -15,7 +15,7 @@ import yaml
 from dppo.cli import parse_config
 from dppo.episodes.settings import EPISODE_KINDS, EnvSettings
 from dppo.rollout.settings import ENGINES, HFSettings, VLLMServerSettings
-from dppo.train.build import engine_spec
+from dppo.train.rollout_build import engine_spec
 from dppo.train.config import Config, ConfigError, replace
 from dppo.train.presets import PRESETS, get_preset
 from dppo.train.resolve import resolve_config

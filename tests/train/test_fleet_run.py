@@ -15,7 +15,7 @@ from dppo.cli import parse_config
 from dppo.rollout.fleet import FleetEngine
 from dppo.rollout.quantize import QuantizedEngine
 from dppo.rollout.settings import HFSettings
-from dppo.train.build import fleet_specs
+from dppo.train.rollout_build import fleet_specs
 from dppo.train.config import Config, ConfigError
 from dppo.train.resolve import resolve_config
 

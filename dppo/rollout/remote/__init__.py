@@ -4,7 +4,7 @@
 `dppo.rollout.remote.local`) and `ray` (Ray actors, placeable on other nodes; `dppo.rollout.remote.ray_actors`).
 `start_pool(backend, spec, devices, ...)` starts one worker per device, each building its engine from the
 `EngineSpec`. The scheduling (bounded staleness) is `dppo.rollout.async_source`; the checks of an async set-up
-against the run config are the trainer's (`dppo.train.build.check_rollout`).
+against the run config are the trainer's (`dppo.train.rollout_build.check_rollout`).
 """
 
 from __future__ import annotations

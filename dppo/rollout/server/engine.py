@@ -345,7 +345,7 @@ class ServerEngine:
             self._adapter_users[request.adapter] -= 1
         if request.attempt >= MAX_ATTEMPTS:
             raise ServerError(f"a request failed on {request.attempt} servers in turn; the last: {error}") from error
-        self.fleet.counts["retried_requests"] += 1
+        self.fleet.retried()
         self._submit(pending, _Request(request.slots, request.token_ids, request.max_tokens,
                                        attempt=request.attempt + 1), params)
 

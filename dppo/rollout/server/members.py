@@ -117,6 +117,11 @@ class Fleet:
         self._threads.append(thread)
         thread.start()
 
+    def retried(self) -> None:
+        """Count a request sent again after its server failed."""
+        with self.sync:
+            self.counts["retried_requests"] += 1
+
     def metrics(self) -> dict[str, float]:
         """The counts so far and the members up now, under `server/`."""
         with self.sync:
