@@ -4,7 +4,8 @@
                 [--task addition|reverse] [--min-len 16] [--max-len 20]
                 [--lr 3e-4 (addition) | 1e-4 (reverse)] [--prompts-per-step 32] [--group-size 8] [--mini-batches 4]
                 [--engine-dtype bfloat16|float32] [--logit-noise SIGMA] [--mismatch none|bf16|fp8|lag:K|noise:SIGMA]
-                [--sft-steps N] [--env none|feedback] [--max-turns 3] [--out-dir runs/sanity-<timestamp>] [--quick]
+                [--sft-steps N] [--env none|feedback] [--max-turns 3] [--split-mismatch]
+                [--out-dir runs/sanity-<timestamp>] [--quick]
 
 Each field's docstring is its `--help` text; `--methods` and `--seeds` take comma-separated lists. `__post_init__`
 checks every field, so an invalid value fails before the warm start, naming the field
@@ -145,6 +146,8 @@ class SanityConfig:
     mismatch: str | None = None
     """The rollout-side mismatch, overriding --engine-dtype, --logit-noise, --quantization and --engine-lag: none
     (float32 engine), bf16, fp8 (fp8 weights), lag:K (engine K optimiser steps behind), noise:SIGMA."""
+    split_mismatch: bool = False
+    """Log the mismatch split and the ledger's drift terms (loss.split_mismatch: one extra forward per step)."""
     threads: int = 1
     """torch threads (0: torch's default)."""
     out_dir: str | None = None

@@ -120,7 +120,7 @@ def sanity_config(study: SanityConfig, model_dir: str | Path, run_dir: str | Pat
                  "max_new_tokens": s.max_new_tokens},  # top-K: recorded where the region needs it
         task={"name": s.task, "options": json.dumps(s.options), "size": s.size, "eval_size": s.eval_size,
               "seed": TASK_SEED},
-        loss=method_loss(method),
+        loss={**method_loss(method), "split_mismatch": s.split_mismatch},
         **({"env": {"name": s.env, "max_turns": s.max_turns, "max_tokens": EPISODE_TOKENS_PER_TURN * s.max_turns}}
            if s.env != "none" else {}),
         optim={"lr": s.lr},
