@@ -219,10 +219,14 @@ class Dist:
 
     def grad_norm(self, params: list[Tensor]) -> Tensor:
         """The global gradient norm (identical on every rank): FSDP2 all-reduces the squared norms of the shards."""
-        grads = [p.grad for p in params if p.grad is not None]
+        return self.total_norm([p.grad for p in params if p.grad is not None])
+
+    def total_norm(self, tensors: list[Tensor]) -> Tensor:
+        """The global 2-norm of `tensors` (gradients, or local shards of them under FSDP2, whose squared norms are
+        all-reduced); identical on every rank."""
         if not self.sharded:
-            return torch.nn.utils.get_total_norm(grads)
-        local = torch.nn.utils.get_total_norm([_local(g) for g in grads]).float() ** 2
+            return torch.nn.utils.get_total_norm(tensors)
+        local = torch.nn.utils.get_total_norm([_local(g) for g in tensors]).float() ** 2
         dist.all_reduce(local)
         return local.sqrt()
 

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from dppo.ledger import grad_snr
 from dppo.train.distributed import Dist, local_tensor
 
 SKIP_WARN_EVERY = 10  # a skipped optimiser step is announced when a streak starts and then every 10th skip
@@ -37,6 +38,37 @@ def make_optimizer(params: list[Tensor], **hyper) -> torch.optim.AdamW:
 
 
 
+class GradientNoise:
+    """The M finite gradients g_i of one training step's optimiser steps (unscaled, before clipping), summed:
+    Σ g_i in one float32 buffer per trainable parameter (its local shard under FSDP2) and Σ‖g_i‖² from the global
+    norms the guard computes anyway. `pop` gives `ledger/grad_snr` = ‖ḡ‖² / (Var/M) (`dppo.ledger.grad_snr`) and starts
+    the next step; nothing for M < 2 (one mini-batch: no spread to measure)."""
+
+    def __init__(self, params: list[Tensor], dist: Dist) -> None:
+        self.params, self.dist = params, dist
+        self.sums: list[Tensor] | None = None
+        self.sq_norms = torch.zeros(())
+        self.m = 0
+
+    def add(self, grad_norm: Tensor) -> None:
+        if self.sums is None:
+            self.sums = [torch.zeros_like(local_tensor(p), dtype=torch.float32) for p in self.params]
+        pairs = [(s, local_tensor(p.grad)) for s, p in zip(self.sums, self.params) if p.grad is not None]
+        if pairs:
+            torch._foreach_add_([s for s, _ in pairs], [g.float() for _, g in pairs])
+        self.sq_norms = self.sq_norms.to(grad_norm.device) + grad_norm.float() ** 2
+        self.m += 1
+
+    def pop(self) -> dict[str, Tensor]:
+        out = {}
+        if self.m >= 2 and self.sums is not None:
+            out["ledger/grad_snr"] = grad_snr(self.dist.total_norm(self.sums) ** 2, self.sq_norms, self.m)
+        for s in self.sums or ():
+            s.zero_()
+        self.sq_norms, self.m = torch.zeros(()), 0
+        return out
+
+
 class GuardedOptimizer:
     """AdamW over `params` with the warm-up schedule (lr · min(1, (s + 1) / warmup_steps)) behind the finiteness
     guard of the module docstring. `skipped_steps` and `consecutive_skips` are the counters a checkpoint and the
@@ -44,7 +76,7 @@ class GuardedOptimizer:
 
     def __init__(self, model: nn.Module, params: list[Tensor], dist: Dist, *, lr: float, betas: tuple[float, float],
                  weight_decay: float, warmup_steps: int, grad_clip: float, max_consecutive_skips: int,
-                 announce: Callable[[str], None], loss_scaling: bool = False) -> None:
+                 announce: Callable[[str], None], loss_scaling: bool = False, grad_snr: bool = False) -> None:
         self.model, self.params, self.dist, self.announce = model, params, dist, announce
         self.grad_clip, self.limit = grad_clip, max_consecutive_skips
         self.optimizer = make_optimizer(params, lr=lr, betas=betas, weight_decay=weight_decay)
@@ -56,6 +88,7 @@ class GuardedOptimizer:
         self.skipped_steps = 0
         self.consecutive_skips = 0  # optimiser steps skipped in a row; max_consecutive_skips stops the run
         self._first_skip: tuple[int, str] | None = None  # (step, non-finite tensor) that began the current streak
+        self.noise = GradientNoise(params, dist) if grad_snr else None  # log.grad_snr
 
     def backward(self, loss: Tensor) -> None:
         """Backpropagate a micro-batch's loss (scaled under fp16)."""
@@ -74,6 +107,8 @@ class GuardedOptimizer:
             self.scaler.unscale_(self.optimizer)
         grad_norm = self.dist.grad_norm(self.params)  # global: the same on every rank
         if bool(self.dist.all_true(torch.isfinite(grad_norm) & loss_finite)):  # the one host sync per optimiser step
+            if self.noise is not None:
+                self.noise.add(grad_norm)
             if self.grad_clip > 0:
                 self.dist.clip_(self.params, self.grad_clip, grad_norm)
             if self.scaler is None:
@@ -92,6 +127,10 @@ class GuardedOptimizer:
             self.skip(step, loss_finite=bool(loss_finite), culprit=culprit)  # before zero_grad: names the gradient
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm.detach()
+
+    def pop_noise(self) -> dict[str, Tensor]:
+        """log.grad_snr: the finished training step's `ledger/grad_snr` (and a fresh sum for the next); else {}."""
+        return {} if self.noise is None else self.noise.pop()
 
     def metrics(self) -> dict[str, float]:
         """fp16: the loss scale and the overflowing steps so far; {} without loss scaling."""

@@ -80,7 +80,7 @@ class Trainer:
         o = cfg.optim
         self.optim = GuardedOptimizer(self.model, self.params, self.dist, lr=o.lr, betas=(o.beta1, o.beta2),
                                       weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, grad_clip=o.grad_clip,
-                                      max_consecutive_skips=cfg.train.max_consecutive_skips,
+                                      max_consecutive_skips=cfg.train.max_consecutive_skips, grad_snr=cfg.log.grad_snr,
                                       announce=lambda line: self.logger.print(line), loss_scaling=cfg.model.precision == "fp16")
         self.optimizer, self.scheduler = self.optim.optimizer, self.optim.scheduler
         self.step_idx = 0
@@ -273,7 +273,7 @@ class Trainer:
                 acc.add_grad_norm(grad_norm, loss_finite)
                 acc.add_minibatch_loss(mb_loss)
                 first = False
-        return acc.result()
+        return {**acc.result(), **self.optim.pop_noise()}
 
     def _loss(self, batch, micro, scores, adv, old, denom, batch_stats=None):
         """The loss of one micro-batch (a `dppo.losses.LOSSES` entry) and its metrics. `old` (π_old's scores) is the

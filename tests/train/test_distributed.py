@@ -51,7 +51,7 @@ def _case_config(case, run_dir):
                          **({"sat_shrink": 0.0, "sat_quantile": 0.5} if region.startswith("dppo_sat") else {})},
                    optim={"grad_clip": clip},
                    train={"mini_batches": M, "micro_batch_size": 4, "distributed": strategy, "dist_timeout_s": 60},
-                   log={"run_dir": str(run_dir), "tensorboard": False, "progress": False})
+                   log={"run_dir": str(run_dir), "tensorboard": False, "progress": False, "grad_snr": True})
 
 
 def _rows(batch, idx):
@@ -193,6 +193,10 @@ def test_two_process_update_equals_one_process_update(global_batch, tmp_path, mo
         # Measured: gradients differ by <= 2.2e-8 (largest gradient 6e-3..3e-2), weights by <= 3.6e-6 after
         # updates of ~1e-3 (Adam's g/(|g|+1e-8) amplifies rounding where |g| is ~1e-8).
         assert stats["optim/grad_norm"] == pytest.approx(ref_stats["optim/grad_norm"], rel=1e-5)
+        if case[2] > 1:  # log.grad_snr over the step's M optimiser steps: FSDP2 sums its shards' squared norms
+            assert stats["ledger/grad_snr"] == pytest.approx(ref_stats["ledger/grad_snr"], rel=1e-4)
+        else:
+            assert "ledger/grad_snr" not in stats
         for g, rg in zip(grads, ref_grads):
             for name in rg:
                 torch.testing.assert_close(g[name], rg[name], rtol=1e-4, atol=1e-7, msg=lambda m, n=name: f"{case} grad {n}: {m}")
