@@ -26,7 +26,7 @@ RANK = {"math": 0, "runtime": 1, "rewards": 2, "tasks": 3, "envs": 4, "rollout":
         "train": 8, "studies": 9, "integrations": 9, "cli": 10}
 """A module may import modules of its own layer or of a lower rank."""
 
-MATH_TIERS = (("_checks", "example", "fused_logprobs"), ("divergence", "advantages", "logprobs", "_extras"),
+MATH_TIERS = (("_checks", "example", "fused_logprobs", "collapse_warning"), ("divergence", "advantages", "logprobs", "_extras"),
               ("sequence_mask",),
               ("trust_region", "metrics"), ("loss_spec", "ledger"), ("losses",))
 """The math layer's modules (dppo/<name>.py) in import order: each imports only modules of an earlier tier (the

@@ -16,6 +16,9 @@ live run never sees half a line from a failed write); on resume each JSONL file 
 kill mid-write; a warning names the file and the bytes dropped), then the records after the checkpoint's step.
 A disk error (full, quota, I/O, read-only) in a log or a tracker is a `RunDirError`; any other error of a tracker
 drops that tracker with a warning and the run goes on (metrics.jsonl is the record; trackers never touch it).
+
+With `collapse_warning` each step's record also gets the collapse warning's `warning/*` metrics
+(`dppo.run_files.collapse_watch`), and the step it first fires prints one line.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from dppo.run_files.collapse_watch import CollapseWatch
 from dppo.run_files.run_dir import LOGS, JsonlWriter, disk_error, disk_errno, guard, repair_jsonl
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
@@ -195,15 +199,22 @@ def progress_line(step: int, total: int, metrics: dict[str, Any], step_times: li
             f"{value('perf/step_s', '.1f')} s/step | eta {eta}")
 
 
+def _earlier_rows(path: Path) -> list[dict[str, Any]]:
+    """A resumed run's metrics.jsonl rows (already repaired: whole lines of the steps kept)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 class RunLogger:
     def __init__(self, run_dir: str | Path, *, total_steps: int, report_to: tuple[str, ...] = ("tensorboard",),
                  config: dict[str, Any] | None = None, project: str = "dppo", run_name: str = "",
                  trackers_offline: bool = True, tensorboard: bool = True, progress: bool = True, start_step: int = 0,
-                 active: bool = True) -> None:
+                 active: bool = True, collapse_warning: bool = False) -> None:
         """report_to: trackers from TRACKERS (the caller has checked they are installed: `LogConfig` does);
         config: the run's config as a dict, logged to each tracker at start; project, run_name ('' = the run
         directory's name), trackers_offline: as `LogConfig`; tensorboard=False removes tensorboard from report_to
-        (the older switch)."""
+        (the older switch); collapse_warning: add the collapse warning (a resumed run's earlier steps are read back)."""
         self.run_dir = Path(run_dir)
         self.active = active
         self._closed = False
@@ -213,6 +224,7 @@ class RunLogger:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         for name in LOGS:
             repair_jsonl(self.run_dir, self.run_dir / name, keep_step=start_step)
+        self._watch = CollapseWatch(rows=_earlier_rows(self.run_dir / LOGS[0])) if collapse_warning else None
         self._trackers: list[Any] = []
         unknown = [t for t in report_to if t not in TRACKERS]
         if unknown:
@@ -249,11 +261,16 @@ class RunLogger:
         log = cfg.log
         return cls(run_dir, total_steps=cfg.train.steps, report_to=log.trackers, config=cfg.to_dict(),
                    project=log.project, run_name=log.run_name, trackers_offline=log.trackers_offline,
-                   progress=log.progress, start_step=start_step, active=active)
+                   progress=log.progress, start_step=start_step, active=active,
+                   collapse_warning=log.collapse_warning)
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         if not self.active:
             return
+        line = None
+        if self._watch is not None:
+            extra, line = self._watch.update(step, metrics)
+            metrics = {**metrics, **extra}
         record = {"step": step, "time": round(time.time() - self._t0, 3), **{k: _clean(v) for k, v in metrics.items()}}
         self._metrics.write(record, fault=f"log@{step}")  # crash tests: killed halfway through this line
         self._to_trackers(_numbers(metrics), step)
@@ -264,6 +281,8 @@ class RunLogger:
             self._step_times.append(float(metrics.get("perf/step_s", float("nan"))))
             if step % self._line_every == 0 or step == self._total:
                 print(progress_line(step, self._total, metrics, self._step_times), flush=True)
+        if line:
+            self.print(line)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         if not self.active:

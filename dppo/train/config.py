@@ -452,6 +452,9 @@ class LogConfig:
     (one per 1% of the run past 100 steps) with reward, masked share, mismatch, step time and time left."""
     samples_per_step: int = 4
     """Responses per step written to samples.jsonl."""
+    collapse_warning: bool = True
+    """Apply the collapse warning to every step (`warning/collapse`, `warning/collapse_score`) and print a line the
+    first step it fires (dppo.collapse_warning.RULE; its measured recall and false alarms: docs/paper.md)."""
     grad_snr: bool = False
     """Log `ledger/grad_snr`, the gradient's signal-to-noise ratio over a step's optimiser steps (needs >= 2 of
     them): costs one float32 copy of the trainable parameters' gradients in memory and one add per optimiser step."""

@@ -12,7 +12,8 @@ The package, one module per job:
 - `noise`: the logit-noise mismatch knob (`LogitNoise`) and the trainer that samples through it;
 - `summary`: per-run and per-method summaries, collapse detection, the table and the curves;
 - `run`: the warm start, each run's trainer config, `run_sanity` and the `dppo sanity` command;
-- `report`: `dppo sanity report`.
+- `report`: `dppo sanity report`;
+- `warning`: `dppo sanity warning`, the collapse warning's held-out study (`dppo.collapse_warning`).
 """
 
 from dppo.studies.sanity.config import (QUICK, SANITY_TASKS, TASK_DEFAULTS, SanityConfig, default_max_new_tokens,

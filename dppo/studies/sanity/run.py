@@ -37,6 +37,7 @@ from dppo.studies.sanity.config import TASK_DEFAULTS, SanityConfig, parse_args, 
 from dppo.studies.sanity.methods import method_loss, run_name
 from dppo.studies.sanity.noise import NoisyRolloutTrainer
 from dppo.studies.sanity.report import cmd_report
+from dppo.studies.sanity.warning import main as cmd_warning
 from dppo.studies.sanity.summary import (CRITERIA, CURVE_KEYS, curves, fmt, format_table, plot_sanity, summarize_method,
                                          summarize_run)
 from dppo.studies.sft import sft_warm_start
@@ -214,11 +215,13 @@ def run_sanity(study: SanityConfig, *, verbose: bool = True) -> dict[str, Any]:
 
 
 def cmd_sanity(argv: list[str]) -> int:
-    """`dppo sanity [FLAGS]` (the flags are `SanityConfig`'s fields) and `dppo sanity report ...`. Exit 2 with one
-    line naming the field for a value the config rejects; tyro's exit code for one it cannot read."""
+    """`dppo sanity [FLAGS]` (the flags are `SanityConfig`'s fields), `dppo sanity report ...` and `dppo sanity
+    warning ...`. Exit 2 with one line naming the field for a value the config rejects; tyro's exit code for one it
+    cannot read."""
     if argv[:1] == ["report"]:  # `dppo sanity report DIR ...`: tables from finished runs
-
         return cmd_report(argv[1:])
+    if argv[:1] == ["warning"]:  # `dppo sanity warning PATH ...`: the collapse warning's held-out study
+        return cmd_warning(argv[1:])
     try:
         try:
             study = parse_args(argv)
