@@ -67,6 +67,14 @@ def test_the_entropy_collapse_is_named():
     assert "entropy halved" in doctor.diagnose(rows, {}).text()
 
 
+def test_the_collapse_warning_is_named_with_its_step():
+    rows = [row(s, 0.0, 0.01, 0.01) | ({"warning/collapse": float(s >= 7), "warning/collapse_score": 0.5 * s}
+                                       if s >= 3 else {}) for s in range(1, 11)]
+    report = doctor.diagnose(rows, {})
+    assert report.warned_at == 7 and "collapse warning fired at step 7 (score 3.5)" in report.text()
+    assert doctor.diagnose(rows[:6], {}).warned_at is None
+
+
 def test_reads_a_running_run_and_draws_the_ledger(tmp_path, capsys):
     lines = [json.dumps(row(s, 0.01, 0.0, 0.001)) for s in range(1, 6)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 6, "loss/pol')  # torn: being written

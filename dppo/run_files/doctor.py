@@ -7,6 +7,7 @@ plain words, with the evidence, from the trust-region ledger its steps logged (`
   learning (the update's own push, which is its job);
 - what the user can change: the engine's or the trainer's precision, the staleness, δ, the learning rate, the
   anchor;
+- when the collapse warning fired (`warning/collapse`);
 - and a picture of the ledger over the steps (`doctor.png` in the run directory).
 
 The reading is a pure function of the logged rows and the run's config (`diagnose`), so it is tested on
@@ -42,6 +43,8 @@ class Report:
     masked_mass: float | None = None
     mask_on_mismatch: float | None = None
     """The share of the masked gradient mass whose mask fired on the mismatch (None: not split)."""
+    warned_at: int | None = None
+    """The first step the collapse warning fired (`warning/collapse`, `log.collapse_warning`; None: it did not)."""
     findings: list[str] = field(default_factory=list)
     evidence: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
@@ -122,6 +125,12 @@ def diagnose(rows: list[dict[str, Any]], config: dict[str, Any] | None = None) -
         report.evidence.append("mean |log-ratio part| per token, steps %d-%d: " % (first, last) + ", ".join(
             f"{s} {means[s]:.2e} ({report.shares[s]:.0%})" for s in SOURCES))
     _mask(report, recent)
+    fired = [r for r in rows if r.get("warning/collapse") == 1.0]
+    if fired:
+        report.warned_at = int(fired[0]["step"])
+        report.findings.append(f"the collapse warning fired at step {report.warned_at} (score "
+                               f"{fired[0].get('warning/collapse_score', float('nan')):.3g}); docs/paper.md, 'Can the "
+                               f"ledger foresee a collapse?', says how often it is right")
     _advice(report, rollout, model, optim, recent)
     return report
 
