@@ -3,9 +3,9 @@ applies to the ledger.
 
 A monitor reads one or two logged series (`metrics.jsonl` keys) and gives a score per step that uses the steps up to
 that one only (causal: what a running run knows). Every monitor compares the mean of the last `WINDOW` steps with
-its baseline, the mean of the first `BASELINE` steps of the run, and has no score before step `BASELINE + WINDOW`
-(the first steps of a warm-started run make its baseline). A monitor *fires* at the first step whose score is at
-least its threshold.
+its baseline, the mean of the first `BASELINE` steps of the run, and has its first score at step `BASELINE + 1`
+(the first steps of a warm-started run make its baseline; until `BASELINE + WINDOW` its window overlaps them). A
+monitor *fires* at the first step whose score is at least its threshold.
 
 Monitors on the trust-region ledger (`dppo.ledger`; docs/cli.md "The trust-region ledger"):
 - `tv_rise`: the mean |π − µ| during the update (`mismatch/binary_tv_mean`) over its baseline (a ratio);
@@ -58,7 +58,7 @@ def window_mean(xs: Series, end: int, width: int = WINDOW) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def _relative(xs: Series, f: Callable[[float, float], float], start: int = BASELINE + WINDOW - 1) -> Score:
+def _relative(xs: Series, f: Callable[[float, float], float], start: int = BASELINE) -> Score:
     """f(m_t, baseline) per step from step index `start` on (None before, or where a mean is missing)."""
     base = window_mean(xs, BASELINE - 1, BASELINE)
     out: Score = []
@@ -93,7 +93,7 @@ def acceleration(xs: Series) -> Score:
     base = window_mean(xs, BASELINE - 1, BASELINE)
     out: Score = []
     for t in range(len(xs)):
-        ms = [window_mean(xs, t - k * WINDOW) for k in range(3)] if t >= BASELINE + 3 * WINDOW - 1 else [None]
+        ms = [window_mean(xs, t - k * WINDOW) for k in range(3)] if t >= BASELINE + 2 * WINDOW else [None]
         out.append(None if base is None or any(m is None for m in ms)
                    else (ms[0] - 2 * ms[1] + ms[2]) / max(abs(base), EPS))  # type: ignore[operator]
     return out

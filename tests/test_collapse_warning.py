@@ -23,7 +23,8 @@ def rows_of(key: str, values) -> list[dict]:
 def test_rise_level_drop_drift_by_hand():
     xs = [1.0, 1.0, 2.0, 1.0, 1.0] + [3.0] * 5 + [6.0] * 5  # baseline mean 1.2
     r = cw.rise(xs)
-    assert r[:8] == [None] * 8  # no score before step BASELINE + WINDOW (index 9)
+    assert r[:5] == [None] * 5  # the first score is at step BASELINE + 1 (index 5)
+    assert r[5] == pytest.approx((1 + 2 + 1 + 1 + 3) / 5 / 1.2)  # (until index 9 the window overlaps the baseline)
     assert r[9] == pytest.approx(3.0 / 1.2) and r[14] == pytest.approx(6.0 / 1.2)
     assert r[11] == pytest.approx((3 * 3 + 2 * 6) / 5 / 1.2)
     assert cw.level(xs)[14] == pytest.approx(6.0)
@@ -34,8 +35,9 @@ def test_rise_level_drop_drift_by_hand():
 def test_acceleration_by_hand_and_missing_values():
     xs = [1.0] * 10 + [2.0] * 5 + [5.0] * 5  # m_t = 5, m_{t-5} = 2, m_{t-10} = 1 at the last step
     a = cw.acceleration(xs)
-    assert a[-1] == pytest.approx((5 - 2 * 2 + 1) / 1.0) and a[18] is None
-    assert cw.acceleration([1.0] * 19) == [None] * 19  # the first score is at index BASELINE + 3W - 1 = 19
+    assert a[-1] == pytest.approx((5 - 2 * 2 + 1) / 1.0) and a[14] is None
+    assert a[15] == pytest.approx(13 / 5 - 2 * 6 / 5 + 1)  # first score at index BASELINE + 2W = 15: m = 2.6, 1.2, 1
+    assert cw.acceleration([1.0] * 15) == [None] * 15
     s = cw.series([{"a": 1.0, "b": 2.0}, {"a": 1.0}, {"a": float("nan"), "b": 1.0}], "a", "b")
     assert s == [3.0, None, None]
     assert cw.rise([None] * 12) == [None] * 12
@@ -69,14 +71,14 @@ def run(seed: int, *, collapse_at: int | None, rise_at: int | None, steps: int =
 
 def test_onset_is_where_the_running_mean_has_lost_a_quarter():
     r = run(0, collapse_at=40, rise_at=None)["rows"]
-    # peak 0.9, final 0.1: the line is 0.7; the 5-step mean is 0.9 - 0.8 k / 5 with k steps at 0.1: k = 2 at index 41
-    assert study.collapse_onset(r) == 41
+    # peak 0.9, final 0.1: the line is 0.5; the 5-step mean is 0.9 - 0.8 k / 5 with k steps at 0.1: k = 3 at index 42
+    assert study.collapse_onset(r) == 42
     assert study.collapse_onset(run(0, collapse_at=None, rise_at=None)["rows"]) is None
 
 
 def test_fit_and_held_out_on_a_monitor_that_foresees_every_collapse():
-    """The TV rises 10 steps before each collapse, and never in a stable run: recall 1, lead 10 + the window's
-    delay, no false alarm; a monitor that never moves (entropy) warns of nothing."""
+    """The TV rises 10 steps before each collapse, and never in a stable run: recall 1, a lead of about 10 steps, no
+    false alarm; a monitor that never moves (entropy) warns of nothing."""
     runs = [run(s, collapse_at=50 + s, rise_at=40 + s, method="bad") for s in range(1, 5)]
     runs += [run(s, collapse_at=None, rise_at=None, method="good") for s in range(1, 5)]
     res = study.study(runs, fit_seeds=[1, 2])
@@ -84,7 +86,7 @@ def test_fit_and_held_out_on_a_monitor_that_foresees_every_collapse():
     h = res["held_out"]["tv_rise"]
     assert h["recall"] == 1.0 and h["false_alarm_rate"] == 0.0 and h["late"] == 0
     fire = cw.first_fire(cw.scores(runs[2]["rows"], "tv_rise"), res["fit"]["tv_rise"]["threshold"])
-    assert h["lead_median"] == study.collapse_onset(runs[2]["rows"]) - fire and 0 < h["lead_median"] <= 11
+    assert h["lead_median"] == study.collapse_onset(runs[2]["rows"]) - fire and 0 < h["lead_median"] <= 12
     assert res["rule"] == "tv_rise"
     assert res["held_out"]["entropy_drop"]["recall"] == 0.0
     assert "| tv_rise | ledger (the rule) |" in study.table(res)
@@ -138,7 +140,7 @@ def test_the_watch_fires_once_and_keeps_only_what_it_reads():
     assert [s for s, _ in lines] == [33] and "10x" not in lines[0][1] and "threshold 5x" in lines[0][1]
     silent = CollapseWatch(("drift_rise", 2.0))
     said = [silent.update(s, {"reward/accuracy": 1.0})[1] for s in range(1, 30)]
-    assert sum(x is not None for x in said) == 1 and "has no value" in said[9]
+    assert sum(x is not None for x in said) == 1 and "has no value" in said[cw.BASELINE]
 
 
 def test_the_logger_writes_the_warning_and_a_resumed_run_remembers(tmp_path, capsys):

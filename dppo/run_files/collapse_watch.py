@@ -56,7 +56,7 @@ class CollapseWatch:
         out: dict[str, float] = {}
         line = None
         if score is None or not math.isfinite(score):
-            if self.seen == cw.BASELINE + cw.WINDOW and not self.said_missing:
+            if self.seen == cw.BASELINE + 1 and not self.said_missing:
                 self.said_missing = True
                 line = (f"[dppo] collapse warning off: its monitor {self.monitor!r} has no value in this run's metrics "
                         f"(see docs/paper.md, 'Can the ledger foresee a collapse?')")

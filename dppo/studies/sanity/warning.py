@@ -9,7 +9,9 @@ the monitors and the labels read, 4 significant digits).
 Protocol:
 - **Labels.** A run collapsed by `dppo.studies.sanity.summary.is_collapsed` (the criterion of every `dppo sanity`
   table). Its collapse *begins* (`collapse_onset`) at the first step after the peak of its 5-step running mean of
-  accuracy where that running mean has lost a quarter of the way from the peak to the final value.
+  accuracy where that running mean has come half of the way down from the peak to the final value (a quarter was
+  tried first: the running mean of a warm start at 0.99 that settles near 0.9 crossed it within 10 steps, in runs
+  whose fall came hundreds of steps later).
 - **Fit.** Runs whose seed is in `--fit-seeds` fix each monitor's threshold (`dppo.collapse_warning.MONITORS`): the
   one that maximises recall − false-alarm rate on them (ties: the higher threshold). The ledger rule is the ledger
   monitor with the best such score on the fit runs, chosen there too.
@@ -38,7 +40,7 @@ from dppo.train.plot import read_metrics
 KEEP = ("reward/accuracy", "reward/mean", "advantage/zero_group_frac", "mismatch/binary_tv_mean",
         "mismatch/binary_kl_mean", "policy/entropy", "trust_region/masked_frac", "optim/grad_norm")
 """Metrics a corpus keeps besides every `ledger/*` one."""
-ONSET_FRACTION = 0.25
+ONSET_FRACTION = 0.5
 
 
 def _round(x: Any) -> Any:
@@ -46,7 +48,8 @@ def _round(x: Any) -> Any:
 
 
 def load_dir(path: Path) -> list[dict[str, Any]]:
-    """The runs of one `dppo sanity` out-dir: group, method, seed and rows (the kept keys)."""
+    """The runs of one `dppo sanity` out-dir: group, method, seed and rows (the kept keys). While its study runs (no
+    `sanity.json` yet) a run shorter than the dir's longest is still going and is left out."""
     group = re.sub(r"-[a-z]$", "", path.name)
     runs = []
     for run_dir in sorted(path.glob("*-seed*")):
@@ -58,6 +61,9 @@ def load_dir(path: Path) -> list[dict[str, Any]]:
         runs.append({"group": group, "method": m.group(1), "seed": int(m.group(2)), "rows": rows})
     if not runs:
         raise ValueError(f"{path}: no <method>-seed<k>/metrics.jsonl runs")
+    if not (path / "sanity.json").is_file():
+        longest = max(len(r["rows"]) for r in runs)
+        runs = [r for r in runs if len(r["rows"]) == longest]
     return runs
 
 
