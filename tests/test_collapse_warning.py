@@ -165,3 +165,21 @@ def test_the_logger_writes_the_warning_and_a_resumed_run_remembers(tmp_path, cap
     assert written[-1]["warning/collapse_score"] == pytest.approx(cw.scores(rows, cw.RULE[0])[-1])
     out = capsys.readouterr().out
     assert out.count("collapse warning") == 1 and f"step {fire + 1}: collapse warning" in out
+
+
+def test_the_rule_is_the_one_the_committed_study_chose():
+    from pathlib import Path
+
+    result = json.loads((Path(__file__).resolve().parents[1] / "docs/data/warning/warning.json").read_text())
+    assert cw.RULE == (result["rule"], result["fit"][result["rule"]]["threshold"])
+    assert cw.MONITORS[cw.RULE[0]][0] == "ledger"
+
+
+def test_the_committed_corpus_gives_the_committed_result():
+    """docs/paper.md's table is `dppo sanity warning docs/data/warning/corpus.jsonl.gz --fit-seeds 1,3`."""
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "docs/data/warning"
+    runs = study.load([str(data / "corpus.jsonl.gz")])
+    assert len(runs) >= 60 and len({(r["group"], r["method"], r["seed"]) for r in runs}) == len(runs)
+    assert json.loads(json.dumps(study.study(runs, [1, 3]))) == json.loads((data / "warning.json").read_text())
