@@ -62,6 +62,14 @@ def test_a_run_without_the_split_says_how_to_get_it():
     assert report.mask_on_mismatch is None and "masks little" in report.text()
 
 
+def test_the_staleness_the_steps_saw_is_what_the_advice_names():
+    rows = [row(s, 0.0, 0.05, 0.01) | {"rollout/staleness_max": 3.0 + (s == 12)} for s in range(1, 21)]
+    assert any("up to 4 step(s) stale (rollout.engine-lag or rollout.max-staleness)" in a
+               for a in doctor.diagnose(rows, {}).advice)
+    assert any("up to 4 step(s) stale (rollout.engine-lag)" in a
+               for a in doctor.diagnose(rows, {"rollout": {"engine_lag": 8}}).advice)
+
+
 def test_the_entropy_collapse_is_named():
     rows = [row(s, 0.0, 0.0, 0.05, entropy=1.0 / s) for s in range(1, 11)]
     assert "entropy halved" in doctor.diagnose(rows, {}).text()

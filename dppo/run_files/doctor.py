@@ -178,8 +178,11 @@ def _advice(report: Report, rollout: dict, model: dict, optim: dict, recent: lis
         report.advice.append("a wider δ (loss.delta_high/delta_low) lets through what the engine's numerics move; "
                              "the recompute anchor does not help (the paper's §5.2)")
     elif report.dominant == "staleness":
-        knob = "--rollout.engine-lag" if lag else "--rollout.max-staleness"
-        report.advice.append(f"the responses are up to {max(lag, staleness)} step(s) stale ({knob[2:]}): lower it, or "
+        knob = ("rollout.engine-lag" if lag else "rollout.max-staleness") if rollout else \
+            "rollout.engine-lag or rollout.max-staleness"
+        logged = [int(r["rollout/staleness_max"]) for r in recent if isinstance(r.get("rollout/staleness_max"), (int, float))]
+        most = max(logged) if logged else max(lag, staleness)  # what the steps saw, else what the config allows
+        report.advice.append(f"the responses are up to {most} step(s) stale ({knob}): lower it, or "
                              f"let newer weights reach responses in flight (rollout.in_flight_updates, async)")
     entropy = [_mean([r], "policy/entropy") for r in recent]
     entropy = [e for e in entropy if e is not None]
@@ -241,6 +244,8 @@ def main(run_dir: str, *, picture: bool = True) -> Report:
 
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     report = diagnose(rows, config)
+    if not config:
+        report.findings.append("no config.yaml in the run directory: the advice cannot name the run's settings")
     text = report.text()
     if picture:
         path = plot(rows, run_dir / "doctor.png")

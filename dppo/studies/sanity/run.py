@@ -146,6 +146,7 @@ def _run_seed(study: SanityConfig, model_dir: Path, method: str, seed: int) -> t
     t0 = time.perf_counter()
     trainer = (NoisyRolloutTrainer(cfg, run_dir, logit_noise=study.logit_noise, noise_seed=10_007 * seed + 1)
                if study.logit_noise > 0 else Trainer(cfg, run_dir))
+    cfg.save(run_dir / "config.yaml")  # (as `dppo train` writes it: `dppo doctor` reads it)
     error = None
     try:
         results = trainer.train()
