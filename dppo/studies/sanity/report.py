@@ -56,9 +56,9 @@ IGNORED_KEYS = ("seeds", "warm_start", "methods", "out_dir", "threads", "quick",
 in its own out-dir (the warm start is cached there), `threads` sets only the speed, `quick` and `mismatch` are
 recorded resolved into the fields they set, and the task's options are compared as `task_options` (files written
 before `SanityConfig` record `digits` only, and neither `methods`, `out_dir`, `threads`, `quick` nor `mismatch`)."""
-ADDED_KEYS = {"env": "none", "max_turns": 3}
+ADDED_KEYS = {"env": "none", "max_turns": 3, "split_mismatch": False}
 """Settings added after the first studies were written, with the value a file without them stands for (single-turn
-studies: no environment; max_turns only matters with one)."""
+studies: no environment; max_turns only matters with one; no logged mismatch split)."""
 TARGET_FINAL = 0.95
 """The issue's accuracy bar for a stable method (training accuracy, last 5 steps)."""
 
