@@ -20,8 +20,8 @@ Shapes: B rows, T response tokens; `response_mask` [B, T] bool, True = a token t
   and response lengths, and the surrogate L′ = E_{y~µ}[R Σ_t (r_t − 1)] (`surrogate_gain`). The divergence given is
   an estimate (Binary or Top-K TV), a lower bound of the true TV (App. B), so the penalties are lower estimates
   too; they say how large the trust region let the error term grow, not a guarantee.
-- **The groups** (`group_stats`): the mean within-group reward std, the advantage std and the share of groups
-  with zero advantage (no learning signal).
+- **The groups** (`group_stats`): the mean within-group reward std and the advantage std (the share of groups with
+  zero advantage is `advantage/zero_group_frac`, from `dppo.advantages`).
 - **The gradient** (`grad_snr`): ‖ḡ‖² / (mean ‖g_i − ḡ‖² / M) over the step's M optimiser steps (the squared
   signal-to-noise ratio of the mean gradient; > 1: the mini-batches agree).
 """
@@ -139,12 +139,11 @@ def surrogate_gain(logp: Tensor, rollout_logp: Tensor, rewards: Tensor, response
 @torch.no_grad()
 def group_stats(rewards: Tensor, adv: Tensor, group_size: int) -> dict[str, Tensor]:
     """The step's groups (rewards [B] prompt-major, G = group_size contiguous; adv [B] each row's advantage):
-    "ledger/group_reward_std" (the mean over groups of the rewards' population std), "ledger/adv_std" (population
-    std of the advantages) and "ledger/zero_adv_group_frac" (groups whose rewards are all equal)."""
+    "ledger/group_reward_std" (the mean over groups of the rewards' population std) and "ledger/adv_std" (population
+    std of the advantages)."""
     g = _acc(rewards).view(-1, group_size)
     return {"ledger/group_reward_std": g.std(-1, unbiased=False).mean(),
-            "ledger/adv_std": _acc(adv).std(unbiased=False),
-            "ledger/zero_adv_group_frac": (g == g[:, :1]).all(-1).float().mean()}
+            "ledger/adv_std": _acc(adv).std(unbiased=False)}
 
 
 def grad_snr(grad_sum_sq: Tensor, sq_norm_sum: Tensor, m: int) -> Tensor:

@@ -96,11 +96,10 @@ def test_the_surrogate_by_hand():
 
 
 def test_group_stats_by_hand():
-    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # G = 4: std 0.5 and 0 (a zero group)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0])  # G = 4: std 0.5 and 0
     adv = torch.tensor([0.5, -0.5, 0.5, -0.5, 0, 0, 0, 0])
     out = ledger.group_stats(rewards, adv, 4)
     assert out["ledger/group_reward_std"] == pytest.approx(0.25)
-    assert out["ledger/zero_adv_group_frac"] == pytest.approx(0.5)
     assert out["ledger/adv_std"] == pytest.approx(float(adv.std(unbiased=False)))
 
 

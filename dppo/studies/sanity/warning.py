@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dppo import collapse_warning as cw
-from dppo.studies.sanity.summary import WINDOW, is_collapsed
+from dppo.studies.sanity.summary import WINDOW, is_collapsed, running_mean
 from dppo.train.plot import read_metrics
 
 KEEP = ("reward/accuracy", "reward/mean", "advantage/zero_group_frac", "mismatch/binary_tv_mean",
@@ -102,14 +102,12 @@ def collapse_onset(rows: Sequence[dict]) -> int | None:
     if not is_collapsed(rows)[0]:
         return None
     acc = [float(r.get("reward/accuracy") or 0.0) for r in rows]
-    rm = [sum(acc[t - WINDOW + 1: t + 1]) / WINDOW if t >= WINDOW - 1 else None for t in range(len(acc))]
+    rm = running_mean(acc)  # rm[i]: the mean of rows i .. i + WINDOW - 1
     final = sum(acc[-WINDOW:]) / len(acc[-WINDOW:])
-    full = [(v, t) for t, v in enumerate(rm) if v is not None]
-    if not full:
-        return 0
-    peak, p = max(full, key=lambda vt: (vt[0], -vt[1]))
-    line = peak - ONSET_FRACTION * (peak - final)
-    return next((t for t in range(p + 1, len(rm)) if rm[t] is not None and rm[t] < line), len(rm) - 1)
+    p = max(range(len(rm)), key=lambda i: (rm[i], -i))
+    line = rm[p] - ONSET_FRACTION * (rm[p] - final)
+    i = next((i for i in range(p + 1, len(rm)) if rm[i] < line), len(rm) - 1)
+    return min(i + WINDOW - 1, len(acc) - 1)  # the row whose step completes that window
 
 
 def labelled(runs: Sequence[dict[str, Any]], monitors: Sequence[str]) -> list[dict[str, Any]]:
