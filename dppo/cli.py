@@ -32,8 +32,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import io
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -53,8 +55,9 @@ from dppo.studies.sanity import cmd_sanity as sanity_command
 from dppo.train.build import build_model, build_task, check_environment
 from dppo.train.config import Config, ConfigError, replace
 from dppo.train.kinds import choose
+from dppo.train.moved_fields import check_moved_flags
 from dppo.train.distributed import DistributedError, world_from_env
-from dppo.train.evaluation import evaluate_checkpoints, load_checkpoint_weights
+from dppo.train.evaluation import evaluate_checkpoints, failed_part, load_checkpoint_weights
 from dppo.train.plot import plot_runs
 from dppo.run_files.doctor import main as doctor
 from dppo.train.presets import PRESETS, get_preset
@@ -130,17 +133,47 @@ def parse_config(argv: list[str], *, prog: str, resume: bool = True) -> tuple[Co
                   fleet=_flag(rest, "--rollout.fleet"))
     if "-h" in rest or "--help" in rest:
         tyro.cli(Config, default=base, args=["--help"], prog=prog, description=__doc__ + "\n" + _TOP)
+    check_moved_flags(rest)
+    said = io.StringIO()
     try:
-        cfg = tyro.cli(Config, default=base, args=rest, prog=prog, description=_TOP)
+        with contextlib.redirect_stderr(said):
+            cfg = tyro.cli(Config, default=base, args=rest, prog=prog, description=_TOP)
     except SystemExit as exc:
+        sys.stderr.write(said.getvalue())  # tyro's box, as it printed it
         if exc.code:
-            raise ConfigError(f"command line: could not parse {' '.join(rest)} (see `{prog} --help`)") from None
+            reason = parser_reason(said.getvalue())
+            raise ConfigError(f"command line: could not parse {' '.join(rest)}{': ' + reason if reason else ''} "
+                              f"(see `{prog} --help`)") from None
         raise
+    sys.stderr.write(said.getvalue())
     if ns.run_dir:
         cfg = replace(cfg, log={"run_dir": ns.run_dir})
     if getattr(ns, "resume", None):
         cfg = replace(cfg, log={"run_dir": ns.resume})
     return cfg, ns, label
+
+
+def parser_reason(box: str) -> str:
+    """The reason inside the box tyro printed for a command line it refused, on one line (the error line repeats it:
+    a user reading the last line sees why): a field's check ("agent.name: ...") or the unrecognised options and the
+    flag tyro suggests ('' when the text has no box)."""
+    rows = [line.strip().strip("│|").strip() for line in box.splitlines() if line.strip()[:1] not in ("╭", "╰")]
+    parts: list[list[str]] = [[]]
+    for row in rows:  # (a box of "│ … │" and "─" rules, or rules of "-" alone where the stream is not a terminal)
+        if row and set(row) <= {"─", "-"}:
+            parts.append([])
+        elif row:
+            parts[-1].append(row)
+    texts = [" ".join(p) for p in parts]
+    at = next((i for i, t in enumerate(texts) if ":" in t), None)  # (a title alone, "Value error", has none)
+    if at is None:
+        return ""
+    reason = re.sub(r"^Error parsing \w+: ", "", texts[at])
+    after = parts[at + 1] if at + 1 < len(parts) else []
+    suggestions = [r.split()[0] for r in after if r.startswith("--")]
+    if suggestions and "Perhaps you meant" in " ".join(after):
+        reason += f"; perhaps you meant {', '.join(suggestions[:3])}"
+    return reason
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -178,10 +211,8 @@ def cmd_train(argv: list[str]) -> int:
     write_atomic(run_dir, run_dir / "summary.json", json.dumps(summary, indent=2))
     print(f"[dppo] run directory: {run_dir}")
     print(f"[dppo] plot:          {plot}")
-    for key in ("eval_before", "eval_after"):
-        if key in results:
-            r = results[key]
-            print(f"[dppo] {key.replace('_', ' ')}: pass@1 {r['pass@1']:.3f} (mean reward {r['reward_mean']:.3f}, n={r['n']})")
+    for line in eval_summary(results):
+        print(line)
     print(f"[dppo] checkpoint:    {results['checkpoint']}")
     if results.get("stopped_early"):
         print(f"[dppo] stopped by signal at step {results['step']}; resume with: dppo train --resume {run_dir}")
@@ -422,6 +453,14 @@ COMMANDS = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "plot": 
             "diagnose": cmd_diagnose, "sanity": cmd_sanity, "sft": cmd_sft, "doctor": cmd_doctor}
 ONE_LINE = {ConfigError: 2, InputError: 2, DistributedError: 2, RunDirError: 1, CheckpointError: 1}
 """The errors `main` prints as one line (the message names the culprit), with their exit status."""
+
+
+def eval_summary(results: dict) -> list[str]:
+    """`dppo train`'s closing lines for the evaluations before and after training, with the failed and timed-out
+    episodes that the step's eval line names."""
+    return [f"[dppo] {key.replace('_', ' ')}: pass@1 {r['pass@1']:.3f} (mean reward {r['reward_mean']:.3f}, "
+            f"n={r['n']}{failed_part(r)})" for key, r in ((k, results[k]) for k in ("eval_before", "eval_after")
+                                                         if k in results)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -160,6 +160,8 @@ def test_the_logger_writes_the_warning_and_a_resumed_run_remembers(tmp_path, cap
     log.close()
     written = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     first = next(i for i, w in enumerate(written) if "warning/collapse" in w)
+    assert first == cw.BASELINE  # steps 1..5 are the baseline (docs/cli.md); from step 6 every step has both keys
+    assert all("warning/collapse_score" in w for w in written[first:])
     assert [w["warning/collapse"] for w in written[first:]] == [float(i >= fire) for i in range(first, 60)]
     assert written[-1]["warning/collapse_score"] == pytest.approx(cw.scores(rows, cw.RULE[0])[-1])
     out = capsys.readouterr().out

@@ -67,8 +67,9 @@ def test_a_parameter_of_another_trust_region_is_a_config_error_naming_the_region
                                           r"token_mis, gspo$"):
         replace(Config(), loss={"trust_region": "dppo_binary_tv", "eps_high": 0.3})
     # the command line, before any model is loaded: the flag named on the error line, the reason above it (tyro's)
-    with pytest.raises(ConfigError, match=r"^command line: could not parse --loss\.eps-high 0\.3"):
-        parse_config(["--preset", "smoke", "--loss.eps-high", "0.3"], prog="dppo train")
+    with pytest.raises(ConfigError, match=r"^command line: could not parse --loss\.eps-high 0\.3: loss\.eps_high: not "
+                                          r"a parameter of trust region 'dppo_binary_tv' \(which takes delta_low"):
+        parse_config(["--preset", "smoke", "--loss.eps-high", "0.3"], prog="dppo train")  # (the reason on the last line)
     err = " ".join(capsys.readouterr().err.replace("│", " ").replace("|", " ").split())  # tyro's box, wrapped
     assert "loss.eps_high: not a parameter of trust region 'dppo_binary_tv'" in err
     with pytest.raises(ValueError, match=r"^delta_low: not a parameter of trust region 'none' \(which takes no "

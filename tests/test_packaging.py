@@ -1,6 +1,7 @@
-"""dppo as a package (pyproject.toml, requirements/lock*.txt): one version string, a wheel and an sdist built from the
-tracked files alone with every module and py.typed, ranges (never exact pins) in the metadata, and an exact lock whose
-every version lies inside pyproject.toml's ranges. What installing beside TRL or verifiers changes is checked by
+"""dppo as a package (pyproject.toml, MANIFEST.in, requirements/lock*.txt): one version string, a wheel and an sdist
+built from the tree's files alone (tracked, or not ignored) with every module and py.typed, the sdist with the whole
+suite, the docs' text and data and the scripts, both with the Apache-2.0 license; ranges (never exact pins) in the
+metadata, and an exact lock whose every version lies inside pyproject.toml's ranges. What installing beside TRL or verifiers changes is checked by
 scripts/check_coexistence.py (it needs PyPI); the floors by scripts/floors.sh."""
 
 from __future__ import annotations
@@ -58,13 +59,20 @@ def test_dependencies_are_ranges_with_a_floor_and_no_exact_pins():
         assert ">=" in ops and "==" not in ops, line
 
 
+def _source_files() -> list[str]:
+    """The files a commit of this tree holds: the tracked ones and those git does not ignore."""
+    out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         capture_output=True, check=True).stdout
+    return sorted({name for name in out.decode().split("\0") if name and (ROOT / name).is_file()})
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    """A wheel and an sdist built by setuptools' PEP 517 backend from a copy of the tracked files (no network)."""
+    """A wheel and an sdist built by setuptools' PEP 517 backend from a copy of the tree's files, tracked or not
+    ignored (no network; ~3 s)."""
     tmp = tmp_path_factory.mktemp("build")
     source, out = tmp / "source", tmp / "dist"
-    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True).stdout
-    for name in filter(None, tracked.decode().split("\0")):
+    for name in _source_files():
         if (ROOT / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, source / name)
@@ -97,6 +105,38 @@ def test_the_sdist_holds_the_project_files(built):
     (sdist,) = built.glob("dppo-*.tar.gz")
     names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
     assert {"pyproject.toml", "README.md", "dppo/__init__.py", "dppo/py.typed", "dppo/cli.py"} <= names
+
+
+def test_the_sdist_holds_the_whole_suite_the_docs_scripts_and_locks_it_needs(built):
+    """MANIFEST.in: the sdist carries what rebuilding and testing dppo needs, not only setuptools' default of the
+    top-level tests/test*.py (17 files, without conftest.py, the subfolders or tests/data)."""
+    (sdist,) = built.glob("dppo-*.tar.gz")
+    names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
+    files = _source_files()
+    suite = {n for n in files if n.startswith("tests/")}
+    assert {"tests/conftest.py", "tests/train/test_config.py", "tests/data/scripted_env.py"} <= suite
+    assert suite <= names, sorted(suite - names)[:10]
+    assert {n for n in files if n.startswith(("docs/data/", "scripts/", "requirements/", "benchmarks/"))} <= names
+    assert {"docs/testing.md", "docs/engines.md", "LICENSE", "run.sh", "test.sh", "scripts/ensure-venv.sh",
+            "scripts/torch_source.py", "requirements/lock.txt"} <= names
+    assert not {n for n in names if "__pycache__" in n or n.endswith((".pyc", ".png"))}
+
+
+def test_the_wheel_and_the_sdist_carry_the_apache_2_0_license(built):
+    assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License\n")
+    assert "Copyright 2026 the dppo authors" in (ROOT / "LICENSE").read_text()
+    assert _project()["license"] == "Apache-2.0"
+    (wheel,) = built.glob("dppo-*.whl")
+    (sdist,) = built.glob("dppo-*.tar.gz")
+    info = f"dppo-{dppo.__version__}.dist-info"
+    with zipfile.ZipFile(wheel) as z:
+        metas = [email.message_from_bytes(z.read(f"{info}/METADATA"))]
+        assert z.read(f"{info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+    with tarfile.open(sdist) as t:
+        metas.append(email.message_from_bytes(t.extractfile(f"dppo-{dppo.__version__}/PKG-INFO").read()))
+        assert t.extractfile(f"dppo-{dppo.__version__}/LICENSE").read() == (ROOT / "LICENSE").read_bytes()
+    for meta in metas:
+        assert meta["License-Expression"] == "Apache-2.0" and meta.get_all("License-File") == ["LICENSE"]
 
 
 def test_the_lock_is_exact_its_two_files_disjoint_and_every_version_inside_pyprojects_ranges():

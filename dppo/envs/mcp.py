@@ -13,6 +13,10 @@ the model may call, and the episodes are those of every `ToolEnv` (docs/agents.m
   name the same server (command, url, env, cwd) share its session: a run's start-up check and its collector each
   build a factory, and the server is launched once. A session whose server died is not shared again: the next
   factory connects anew.
+- **A stdio command's `python` is the run's.** A bare `python` / `python3` first (`["python", "server.py"]`) runs
+  as `sys.executable` (`resolve_command`), where `mcp` is installed, not as the first python on PATH. Errors about a
+  server name it (its command or URL) and quote the last lines of a stdio server's stderr, which is otherwise copied
+  to this process's stderr as it comes.
 - **`tools/list` → the tools offered**, each a callable carrying the server's JSON schema unchanged (its
   `tool_schema` attribute, which `dppo.envs.tools.tool_schema` passes through to the prompt); `tools` (an allow-list)
   narrows them. **`tools/call` → tool messages**, through `ToolEnv.step`: the output cap, the timeout and the error
@@ -32,10 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import json
 import os
 import shlex
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +57,10 @@ REWARD_TOOL = "tool:"
 CANCEL_AFTER_S = 1.0
 """A call still running this long after its tool_timeout_s is cancelled on the server (ToolEnv answered it already)."""
 _MAX_PAGES = 100  # tools/list pages read at most (a paginator that never ends cannot hang the start)
+PYTHONS = ("python", "python3")
+"""A stdio command's first word that means "the run's own interpreter" (`sys.executable`, `resolve_command`)."""
+STDERR_LINES = 5
+"""The last lines of a stdio server's stderr that an error about it quotes."""
 
 
 class MCPToolError(RuntimeError):
@@ -64,13 +74,16 @@ class MCPSession:
     may be called from any thread but the loop's; `close` ends the session (and a stdio server's process).
     """
 
-    def __init__(self, server: Any, *, option: str, connect_timeout_s: float) -> None:
+    def __init__(self, server: Any, *, option: str, connect_timeout_s: float, name: str = "",
+                 stderr: "_StderrTail | None" = None) -> None:
         from mcp import Client  # (optional, heavy: imported when a session is built)
 
+        self.name, self.stderr = name, stderr  # (the server, for error messages: its command or URL; its stderr)
         try:
             client = Client(server)
         except Exception as err:  # noqa: BLE001 - what the client refuses, named
-            raise ValueError(f"{option}: {_describe(err)}") from None
+            self._detach()
+            raise ValueError(f"{option}: {_describe(err)}{self.said()}") from None
         self.pid, self.error = os.getpid(), None
         self._client, self._ended = None, threading.Event()
         self._loop = asyncio.new_event_loop()
@@ -82,11 +95,27 @@ class MCPSession:
             self.tools = ready.result(timeout=connect_timeout_s)
         except concurrent.futures.TimeoutError:
             self.close()
+            self._detach()
             raise ValueError(f"{option}: no MCP handshake and tools/list within connect_timeout_s="
-                             f"{connect_timeout_s:g}s") from None
+                             f"{connect_timeout_s:g}s{self.said()}") from None
         except Exception as err:  # noqa: BLE001 - whatever the transport or the handshake raised, named
             self.close()
-            raise ValueError(f"{option}: cannot connect to the MCP server: {_describe(err)}") from None
+            self._detach()
+            raise ValueError(f"{option}: cannot connect to the MCP server: {_describe(err)}"
+                             f"{self.said(wait_s=1.0)}") from None
+        self._detach()  # (the server runs: only its own end of the stderr pipe is left open)
+
+    def _detach(self) -> None:
+        if self.stderr is not None:
+            self.stderr.detach()
+
+    def said(self, wait_s: float = 0.0) -> str:
+        """` [server: <its command or URL>; its stderr ended: <last lines>]` for an error message about the server
+        (the stderr read until it ends, at most `wait_s`: a process that exited has written it all)."""
+        if not self.name:
+            return ""
+        tail = self.stderr.tail(wait_s) if self.stderr is not None else ""
+        return f" [server: {self.name}" + (f"; its stderr ended: {tail}" if tail else "") + "]"
 
     async def _serve(self, client, ready: concurrent.futures.Future) -> None:
         """Enter the client (the handshake), list the tools, then hold the session open until cancelled."""
@@ -121,7 +150,8 @@ class MCPSession:
         TimeoutError past `timeout_s` (the request is then cancelled)."""
         client = self._client
         if client is None or not self.alive:
-            raise MCPToolError(f"the MCP server is gone ({_describe(self.error) if self.error else 'closed'})")
+            raise MCPToolError(f"the MCP server is gone ({_describe(self.error) if self.error else 'closed'})"
+                               f"{self.said()}")
         future = asyncio.run_coroutine_threadsafe(client.call_tool(name, arguments), self._loop)
         try:
             result = future.result(timeout=timeout_s)
@@ -129,10 +159,12 @@ class MCPSession:
             future.cancel()
             raise TimeoutError(f"tool {name} timed out after {timeout_s:g}s") from None
         except Exception as err:  # noqa: BLE001 - a transport or protocol failure is the tool's answer
-            if _closed(err):  # the server is gone: this session is not shared again, its later calls fail at once
+            closed = _closed(err)
+            if closed:  # the server is gone: this session is not shared again, its later calls fail at once
                 self.error = err
                 self._main.cancel()
-            raise MCPToolError(f"the MCP server did not answer: {_describe(err)}") from None
+            raise MCPToolError(f"the MCP server did not answer: {_describe(err)}"
+                               f"{self.said(wait_s=0.5 if closed else 0.0)}") from None
         text = result_text(result)
         if result.is_error:
             raise MCPToolError(text)
@@ -186,6 +218,52 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
+def resolve_command(argv: Sequence[str]) -> list[str]:
+    """A stdio server's command as it is run: a bare `python` or `python3` first (no path) becomes `sys.executable`,
+    the run's own interpreter, where dppo and its `mcp` are installed (the first `python` on PATH may be another one,
+    without `mcp`: its server dies at once and the run fails with "Connection closed"). A path (`/usr/bin/python3`,
+    `.venv/bin/python`) or any other program is run as given."""
+    argv = list(argv)
+    if argv and argv[0] in PYTHONS and sys.executable:
+        argv[0] = sys.executable
+    return argv
+
+
+class _StderrTail:
+    """A stdio server's stderr (mcp's `errlog`): a pipe whose lines a daemon thread copies to this process's stderr
+    as they come (the server's log is shown as before), keeping the last `STDERR_LINES` for error messages."""
+
+    def __init__(self) -> None:
+        read_fd, write_fd = os.pipe()
+        self.file = os.fdopen(write_fd, "w")  # the server's stderr; ours is closed once it runs (`detach`)
+        self._lines: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+        self._thread = threading.Thread(target=self._copy, args=(read_fd,), name="dppo-mcp-stderr", daemon=True)
+        self._thread.start()
+
+    def _copy(self, read_fd: int) -> None:
+        with os.fdopen(read_fd, "rb") as pipe:
+            for raw in pipe:  # until every write end is closed: the server's exited and ours detached
+                line = raw.decode(errors="replace")
+                if line.strip():
+                    self._lines.append(line.rstrip()[:300])
+                try:
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+                except (OSError, ValueError):  # (a closed stderr: the line is kept all the same)
+                    pass
+
+    def detach(self) -> None:
+        """Close this process's write end (idempotent): the pipe ends when the server's process does."""
+        if not self.file.closed:
+            self.file.close()
+
+    def tail(self, wait_s: float = 0.0) -> str:
+        """The last lines, ` | `-joined (after waiting up to `wait_s` for the pipe to end)."""
+        if wait_s > 0 and self.file.closed:
+            self._thread.join(wait_s)
+        return " | ".join(self._lines)
+
+
 class MCPTool:
     """One tool of the server as a dppo tool: calling it runs tools/call; `tool_schema` is the server's schema."""
 
@@ -216,8 +294,9 @@ def _close_all() -> None:
 atexit.register(_close_all)
 
 
-def _connection(command, url, env, cwd) -> tuple[str, Any, str]:
-    """(the key of a connection, what `mcp.Client` connects to, the option to name in errors), options checked."""
+def _connection(command, url, env, cwd) -> tuple[str, Any, str, list[str] | None]:
+    """(the key of a connection, what `mcp.Client` connects to, the option to name in errors, the stdio command as
+    run), options checked."""
     if (command is None) == (url is None):
         raise ValueError("command: give exactly one of command (a stdio server to launch) or url (an HTTP server)")
     if url is not None:
@@ -225,19 +304,17 @@ def _connection(command, url, env, cwd) -> tuple[str, Any, str]:
             raise ValueError(f"url: expected an http:// or https:// URL, got {url!r}")
         if env is not None or cwd is not None:
             raise ValueError(f"{'env' if env is not None else 'cwd'}: only for a stdio server (command), not a url")
-        return json.dumps({"url": url}), url, "url"
+        return json.dumps({"url": url}), url, "url", None
     argv = shlex.split(command) if isinstance(command, str) else command
     if not (isinstance(argv, list) and argv and all(isinstance(a, str) and a for a in argv)):
         raise ValueError(f"command: expected a non-empty list of strings (or one string), got {command!r}")
+    argv = resolve_command(argv)
     if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                              for k, v in env.items())):
         raise ValueError(f"env: expected a JSON object of strings, got {env!r}")
     if cwd is not None and not (isinstance(cwd, str) and Path(cwd).is_dir()):
         raise ValueError(f"cwd: not a directory: {cwd!r}")
-    from mcp import StdioServerParameters, stdio_client
-
-    transport = stdio_client(StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=cwd))
-    return json.dumps({"command": argv, "env": env, "cwd": cwd}, sort_keys=True), transport, "command"
+    return json.dumps({"command": argv, "env": env, "cwd": cwd}, sort_keys=True), None, "command", argv
 
 
 def connect(*, command=None, url=None, env=None, cwd=None, connect_timeout_s: float = 30.0) -> MCPSession:
@@ -249,13 +326,21 @@ def connect(*, command=None, url=None, env=None, cwd=None, connect_timeout_s: fl
     except ImportError:
         raise ValueError(f"{'url' if url is not None else 'command'}: the mcp environment needs the 'mcp' package "
                          f"(2.x): pip install 'mcp>=2'") from None
-    key, server, option = _connection(command, url, env, cwd)
+    key, server, option, argv = _connection(command, url, env, cwd)
     with _SESSIONS_LOCK:
         session = _SESSIONS.get(key)
         if session is None or not session.alive:
             if session is not None:
                 session.close()  # (its server is gone: end its loop thread too)
-            session = _SESSIONS[key] = MCPSession(server, option=option, connect_timeout_s=connect_timeout_s)
+            stderr = None
+            if argv is not None:  # a stdio server, launched by this session: its stderr through a pipe of ours
+                from mcp import StdioServerParameters, stdio_client
+
+                stderr = _StderrTail()
+                server = stdio_client(StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=cwd),
+                                      errlog=stderr.file)
+            session = _SESSIONS[key] = MCPSession(server, option=option, connect_timeout_s=connect_timeout_s,
+                                                  name=shlex.join(argv) if argv is not None else url, stderr=stderr)
     return session
 
 
@@ -351,4 +436,5 @@ class _ToolScore:
             raise ValueError(f"reward tool {self.tool.__name__} answered {text!r:.200}, not a number") from None
 
 
-__all__ = ["MCPEnv", "MCPFactory", "MCPSession", "MCPTool", "MCPToolError", "connect", "result_text"]
+__all__ = ["MCPEnv", "MCPFactory", "MCPSession", "MCPTool", "MCPToolError", "PYTHONS", "connect", "resolve_command",
+           "result_text"]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from dppo.episodes.agent_service import service_agent
+from dppo.episodes.errors import describe_error
 from dppo.episodes.proxy import Proxy
 from dppo.episodes.results import episode_metrics
 from dppo.rollout.base import Rollout, SamplingParams
@@ -193,7 +194,7 @@ class AgentCollector:
             ep.timed_out, ep.error = True, f"agent {label!r}: timed out after {s.timeout_s:g}s"
             return
         except Exception as err:  # noqa: BLE001 - contained: the episode ends, counted and named
-            ep.error = f"agent {label!r}: {type(err).__name__}: {err}"[:2000]
+            ep.error = f"agent {label!r}: {describe_error(err)}"[:2000]
             return
         if value is None:
             value = ep.posted

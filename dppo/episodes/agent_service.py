@@ -12,8 +12,10 @@ and the service runs its agent against `base_url` (an OpenAI-compatible endpoint
 not reach the service (connection refused or reset before it was sent, or 502 / 503 / 504 from a proxy in front of
 it) is sent again, up to agent.post_retries times, with a growing pause: nothing of the episode ran yet. A service that
 dies while it runs an episode (the connection drops, an error status, a body that is no reward) ends that episode
-with reward 0, counted and named like an agent function that raised (`episode/env_errors`); agent.timeout_s bounds the
-whole episode. The run goes on. A minimal service is in docs/agents.md ("Agents behind HTTP").
+with reward 0, counted and named like an agent function that raised (`episode/env_errors`): the error names the URL
+and, for an error status, the status and the start of the body; a connection closed without any reply says so and
+why it usually happens (`NO_REPLY_HINT`). agent.timeout_s bounds the whole episode. The run goes on. A minimal
+service is in docs/agents.md ("Agents behind HTTP").
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import json
 from typing import Any
+
+from dppo.episodes.errors import describe_error
 
 RETRIED_STATUS = (502, 503, 504)
 """Statuses that mean the post did not reach the service (a gateway in front of it): retried."""
@@ -37,6 +41,12 @@ def example_payload(example) -> dict:
             continue
         metadata[key] = value
     return {"prompt": prompt, "answer": example.answer, "metadata": metadata, "uid": example.uid}
+
+
+NO_REPLY_HINT = ("the service closed the connection without answering: its process died, or its handler raised "
+                 "(Python's http.server then closes the connection without a status; answer 500 with the error "
+                 "instead, which dppo shows); see the service's log")
+"""What a post that got no reply at all says about the likely causes."""
 
 
 class ServiceError(RuntimeError):
@@ -60,6 +70,9 @@ def service_agent(url: str, *, retries: int = 2, backoff_s: float = 0.5):
                 except (httpx.ConnectError, httpx.ConnectTimeout) as err:
                     if attempt == retries:
                         raise ServiceError(f"{url}: not reachable after {retries + 1} tries: {err!r}") from err
+                except httpx.TransportError as err:  # sent, then the connection dropped: not retried (it may have run)
+                    raise ServiceError(f"{url}: no reply: {describe_error(err, url=url, peer='the agent service')}; "
+                                       f"{NO_REPLY_HINT}") from err
                 else:
                     if response.status_code not in RETRIED_STATUS or attempt == retries:
                         break
@@ -78,4 +91,4 @@ def service_agent(url: str, *, retries: int = 2, backoff_s: float = 0.5):
     return agent
 
 
-__all__ = ["RETRIED_STATUS", "ServiceError", "example_payload", "service_agent"]
+__all__ = ["NO_REPLY_HINT", "RETRIED_STATUS", "ServiceError", "example_payload", "service_agent"]

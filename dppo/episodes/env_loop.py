@@ -53,6 +53,7 @@ from dppo.envs import make_environment
 from dppo.envs.base import check_messages, check_step
 from dppo.envs.tools import tool_schema
 from dppo.episodes.chat import ChatCodec, transcript
+from dppo.episodes.errors import describe_error
 from dppo.episodes.records import TokenRecord, turn_seed
 from dppo.episodes.results import episode_metrics
 from dppo.rollout.base import Episode, Rollout, SamplingParams
@@ -238,7 +239,7 @@ class EnvCollector:
                 continue
             if status == "error":
                 ep.stats["env_errors"] += 1
-                ep.end("eos", f"environment {s.name!r}: {type(value).__name__}: {value}")
+                ep.end("eos", f"environment {s.name!r}: {describe_error(value)}")
                 continue
             step = value
             ep.reward += float(step.reward)

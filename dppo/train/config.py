@@ -34,6 +34,9 @@ from dppo.train.moved_fields import check_moved
 from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk
 from dppo.run_files.logger import TRACKERS, check_tracker_installed
 
+AGENT_TOP_K = 1
+"""K recorded by default in agent episodes: the `top_logprobs` that OpenAI clients ask by default (SkyRL: 1)."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -117,7 +120,8 @@ class _RolloutSettings:
     """Maximum response length."""
     top_k_logprobs: int | None = None
     """K: record µ's top-K log-probs per token (0 = off). None = 20 when the trust region needs them (Top-K
-    TV/KL), else 0."""
+    TV/KL), else 1 for rollout.episodes agent (clients ask µ's top-1 by default: SkyRL, verifiers' TrainClient),
+    else 0."""
     quantization: Literal["none", "fp8"] = "none"
     """fp8 = the engine samples from float8 e4m3 weights (one scale per output channel, quantised at every weight
     sync; dppo.rollout.quantize) and records that model's log-probs as µ: cheap inference and a mismatch that
@@ -237,6 +241,11 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         _json_object("task.options", self.options)
+        for key in ("size", "eval_size", "seed"):  # one value in one place: the options' would silently lose
+            given = self.options_dict.get(key, getattr(self, key))
+            if given != getattr(self, key):
+                _fail("task.options", f"{key} {given!r} here and task.{key} {getattr(self, key)!r}: give it once, as "
+                                      f"task.{key} (--task.{key.replace('_', '-')} {given})")
         if self.size < 1:
             _fail("task.size", f"expected >= 1, got {self.size}")
         if self.eval_size < 0:
@@ -554,10 +563,13 @@ class Config:
     @property
     def top_k_logprobs(self) -> int:
         """K of µ's top-K the engine records: rollout.top_k_logprobs, or when unset (None) DEFAULT_TOP_K (20) for a
-        trust region that needs them and 0 otherwise."""
+        trust region that needs them, AGENT_TOP_K (1) for agent episodes (their clients' default `top_logprobs: 1`
+        is answered; recording µ's top-1 costs one max over the vocabulary a token) and 0 otherwise."""
         if self.rollout.top_k_logprobs is not None:
             return self.rollout.top_k_logprobs
-        return DEFAULT_TOP_K if needs_topk(self.loss.trust_region) else 0
+        if needs_topk(self.loss.trust_region):
+            return DEFAULT_TOP_K
+        return AGENT_TOP_K if self.rollout.episodes == "agent" else 0
 
     # -------- (de)serialisation --------
     def to_dict(self) -> dict[str, Any]:

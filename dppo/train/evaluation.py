@@ -81,10 +81,15 @@ def evaluate(source, examples, params: SamplingParams, *, pad_id: int, ks: Seque
 
 def eval_line(step: int, result: dict[str, float]) -> str:
     """The trainer's line for an evaluation `result` at `step`, naming the episodes that failed or timed out."""
-    failed = "".join(f", {result[k]} {k.split('_')[1]} (scored 0)" for k in ("episode_failures", "episode_timeouts")
-                     if result.get(k))
     return (f"[dppo] eval @ step {step}: pass@1 {result['pass@1']:.3f}, mean reward {result['reward_mean']:.3f} "
-            f"over {result['n']} held-out samples{failed}")
+            f"over {result['n']} held-out samples{failed_part(result)}")
+
+
+def failed_part(result: dict[str, Any]) -> str:
+    """", N failures (scored 0), M timeouts (scored 0)" for the episodes of `result` that failed or timed out ('' if
+    none): every line that reports an evaluation says them (the step's line, `dppo train`'s closing lines)."""
+    return "".join(f", {result[k]} {k.split('_')[1]} (scored 0)" for k in ("episode_failures", "episode_timeouts")
+                   if result.get(k))
 
 
 def _step_of(folder: Path) -> int:
@@ -130,7 +135,7 @@ def evaluate_checkpoints(cfg: Config, run_dir: Path | None, *, step: int | None 
     temp = cfg.train.eval_temperature or cfg.rollout.temperature
     eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
     params = SamplingParams(n=n, temperature=temp, max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=eos,
-                            seed=cfg.train.seed)
+                            top_k_logprobs=cfg.top_k_logprobs, seed=cfg.train.seed)  # (K as in training: clients' top_logprobs)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     vote = vote_rule(task.reward)  # (the task's reward, or task.reward's override)
     source = None
@@ -160,5 +165,5 @@ def evaluate_checkpoint(cfg: Config, run_dir: Path | None, **kwargs: Any) -> dic
     return evaluate_checkpoints(cfg, run_dir, every=False, **kwargs)[0]
 
 
-__all__ = ["engine_prompts", "eval_line", "evaluate", "evaluate_checkpoint", "evaluate_checkpoints", "load_checkpoint_weights",
+__all__ = ["engine_prompts", "eval_line", "evaluate", "failed_part", "evaluate_checkpoint", "evaluate_checkpoints", "load_checkpoint_weights",
            "vote_rule"]

@@ -41,3 +41,17 @@ def check_moved(data: dict[str, Any], source: str) -> None:
     if found:
         raise ConfigError(f"{found[0].split()[0]}: {source} was written by an older dppo; edit it: "
                           + "; ".join(found))
+
+
+def check_moved_flags(args: list[str]) -> None:
+    """ConfigError naming each command-line flag of an older dppo (`--rollout.server-urls`, a `MOVED` field) and the
+    flag that replaced it, before the parser's generic "unrecognized option"."""
+    flags = {"--" + old.replace("_", "-"): new for old, new in MOVED.items()}
+    found = []
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in flags:
+            field, _, rest = flags[flag].partition(" ")  # "rollout.vllm_server.urls", "(engine vllm) or ..."
+            found.append(f"{flag} is now --{field.replace('_', '-')}" + (f" {rest}" if rest else ""))
+    if found:
+        raise ConfigError(f"{found[0].split()[0]}: a flag of an older dppo; " + "; ".join(found))

@@ -45,21 +45,26 @@ def resolve_precision(cfg: Config) -> tuple:
     return hardware.resolve_precision(cfg.model.precision, resolve_device(cfg.model.device), cfg.model.dtype)
 
 
-FILE_TASK_PATHS = ("path", "eval_path")
-"""The `file` task's options that name a file it reads."""
+TASK_PATHS = {"file": ("path", "eval_path"), "verifiers": ("taskset",)}
+"""Per task, its options that name a file it reads (a verifiers `taskset` only in its path form: `_is_path`)."""
+
+
+def _is_path(task: str, value: str) -> bool:
+    """Whether option value `value` of task `task` names a local file (a verifiers taskset may be an id)."""
+    return task != "verifiers" or "/" in value or value.endswith(".py")
 
 
 def absolute_paths(cfg: Config, base: Path) -> Config:
     """`cfg` with every file the run reads made absolute against `base` (the directory the run starts in): a local
-    model folder, the `file` task's data files, and plug-in files (`path/to/file.py:name` as task, reward or
+    model folder, the `file` task's data files, a verifiers taskset file or folder, and plug-in files (`path/to/file.py:name` as task, reward or
     environment). A run directory's config.yaml then works from any directory (`--resume`, `dppo eval --run-dir`,
     `dppo export`); a moved file is an error naming its absolute path. Registry names, `package.module:name` specs
     and paths already absolute are left as they are (idempotent)."""
     t = cfg.task
     task: dict = {"name": absolute_spec(t.name, base), "reward": absolute_spec(t.reward, base)}
-    if t.name == "file":
+    if t.name in TASK_PATHS:
         options = t.options_dict
-        given = {k: options[k] for k in FILE_TASK_PATHS if isinstance(options.get(k), str)}
+        given = {k: options[k] for k in TASK_PATHS[t.name] if isinstance(options.get(k), str) and _is_path(t.name, options[k])}
         if any(not Path(v).expanduser().is_absolute() for v in given.values()):
             task["options"] = json.dumps({**options, **{k: str((base / Path(v).expanduser()).resolve())
                                                          for k, v in given.items()}})

@@ -6,6 +6,7 @@ samples written to samples.jsonl. Every value stays a tensor until the step's on
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -15,6 +16,10 @@ from dppo import metrics
 from dppo.divergence import binary_tv
 from dppo.train.batch import RolloutBatch
 from dppo.train.step_ledger import LedgerSums, micro_terms, step_terms
+
+
+SPLIT = re.compile(r"_(stale|turn|engine)_\d+$")
+"""The name of a split's part: a mean over one staleness, one turn of an episode or one fleet member's tokens."""
 
 
 class StepAccumulator:
@@ -64,18 +69,21 @@ class StepAccumulator:
                 for j in range(n.shape[0]):
                     self._add(f"trust_region/masked_frac_{name}_{j}", frac[j], n[j])
 
-    def add_mismatch(self, batch: RolloutBatch, micro: Tensor, scores) -> None:
-        mask, logp, mu = batch.loss_mask[micro], scores.logp.detach(), batch.rollout_logp[micro]
-        cells = scores.topk_logp is not None and batch.rollout_topk_logp is not None
-        given = dict(logp_cells=scores.topk_logp.detach() if cells else None,
-                     rollout_cells=batch.rollout_topk_logp[micro] if cells else None,
-                     cells_valid=batch.rollout_topk_valid[micro] if cells else None)
-        stats = metrics.mismatch_stats(logp, mu, mask, **given)
-        n = stats.pop("n_tokens")
-        for key, value in stats.items():
-            self._add(f"mismatch/{key}", value, n)
-        if scores.entropy is not None:
-            self._add("policy/entropy", *metrics.token_mean(scores.entropy, mask))
+    def add_mismatch(self, batch: RolloutBatch, micro: Tensor, scores, *, start: bool, old=None) -> None:
+        """The mismatch between engine and trainer on the micro-batch `micro`. Call it on every micro-batch of the
+        step's first epoch (each row once). `start`: the step's first mini-batch, whose π has had no update yet: the
+        unsplit means (`mismatch/*`) and the entropy are measured there only. The splits (per staleness, turn, fleet
+        member) take every row of the step: from `old` (π_old's scores of the whole batch, with loss.split_mismatch
+        or the recompute anchor: before any update, exactly) when given, else from `scores` (each row as it is first
+        trained: after the first mini-batch, π has taken the step's earlier optimiser steps)."""
+        mask, mu = batch.loss_mask[micro], batch.rollout_logp[micro]
+        if start:
+            self._add_mismatch_means(batch, micro, scores)
+        logp, cells = scores.logp.detach(), scores.topk_logp
+        if old is not None:
+            logp, cells = old.logp[micro], None if old.topk_logp is None else old.topk_logp[micro]
+        given = _cells(batch, micro, cells)
+        has_cells = given["logp_cells"] is not None
         if "staleness" in batch.extras:  # (set by `step`; absent in a batch made by hand)
             self._add_groups("mismatch/binary_tv_stale", binary_tv(logp, mu), mask, batch.extras["staleness"][micro],
                              self.max_staleness + 1)
@@ -86,20 +94,36 @@ class StepAccumulator:
             splits.append(("engine", batch.extras["engine"][micro], self.engines))
         per_token = metrics.token_mismatch(logp, mu, **given) if splits else {}  # (µ's top-K on every token)
         for by, index, n in splits:
-            for name in ("binary_tv", "topk_tv") if cells else ("binary_tv",):
+            for name in ("binary_tv", "topk_tv") if has_cells else ("binary_tv",):
                 self._add_groups(f"mismatch/{name}_{by}", per_token[name], mask, index, n)
         if self.max_turns and "turn_index" in batch.extras and "token_staleness" in batch.extras:
             self._add_groups("rollout/staleness_turn", batch.extras["token_staleness"][micro].float(), mask,
                              batch.extras["turn_index"][micro], self.max_turns)
 
+    def _add_mismatch_means(self, batch: RolloutBatch, micro: Tensor, scores) -> None:
+        """`mismatch/*` (`metrics.mismatch_stats`) and the policy's entropy on a micro-batch of the first mini-batch."""
+        mask, logp, mu = batch.loss_mask[micro], scores.logp.detach(), batch.rollout_logp[micro]
+        stats = metrics.mismatch_stats(logp, mu, mask, **_cells(batch, micro, scores.topk_logp))
+        n = stats.pop("n_tokens")
+        for key, value in stats.items():
+            self._add(f"mismatch/{key}", value, n)
+        if scores.entropy is not None:
+            self._add("policy/entropy", *metrics.token_mean(scores.entropy, mask))
+
     def add_grad_norm(self, grad_norm: Tensor, loss_finite: Tensor) -> None:
         self.grad_norms.append(grad_norm.float())
         self.nonfinite_losses = self.nonfinite_losses + (~loss_finite).float()
 
-    def result(self) -> dict[str, Tensor]:
+    def result_means(self) -> dict[str, Tensor]:
+        """Every summed value's weighted mean, and each split part's `count/`."""
         out = {k: self.sums[k] / torch.as_tensor(self.weights[k]).clamp(min=1e-12) for k in self.sums}
-        # the token count behind each per-turn value: `prune_unreached` drops the values of turns no episode reached
-        out.update({f"count/{k}": torch.as_tensor(self.weights[k]) for k in self.sums if "_turn_" in k})
+        # the token count behind each split's value (per staleness, turn, fleet member): `prune_unreached` drops the
+        # values of a part with no tokens in the step (a turn no episode reached, a member with no rows)
+        out.update({f"count/{k}": torch.as_tensor(self.weights[k]) for k in self.sums if SPLIT.search(k)})
+        return out
+
+    def result(self) -> dict[str, Tensor]:
+        out = self.result_means()
         out["ratio/max"] = self.ratio_max
         norms = torch.stack(self.grad_norms)
         out["optim/grad_norm"] = norms.mean()
@@ -109,6 +133,15 @@ class StepAccumulator:
         out.update(self.ledger.result())
         return out
 
+
+
+def _cells(batch: RolloutBatch, micro: Tensor, cells: Tensor | None) -> dict[str, Tensor | None]:
+    """The top-K arguments of `metrics.mismatch_stats` / `token_mismatch`: π's cells `cells` of the micro-batch beside
+    µ's recorded ones (all None unless both exist)."""
+    both = cells is not None and batch.rollout_topk_logp is not None
+    return dict(logp_cells=cells.detach() if both else None,
+                rollout_cells=batch.rollout_topk_logp[micro] if both else None,
+                cells_valid=batch.rollout_topk_valid[micro] if both else None)
 
 
 def step_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, reward_stats: dict, adv_stats: dict,
@@ -166,9 +199,10 @@ def staleness_metrics(batch: RolloutBatch, max_staleness: int) -> dict[str, Any]
 
 
 def prune_unreached(values: dict[str, float], max_staleness: int) -> dict[str, float]:
-    """The synced metrics without the per-turn values of turns no episode reached (their `count/` is 0) and the
-    per-staleness values of a staleness not trained: they are computed as tensors (knowing which are empty would
-    need a host sync of its own) and dropped here, after the step's one sync."""
+    """The synced metrics without the values of a split's part with no tokens in the step (their `count/` is 0: a
+    turn no episode reached, a fleet member with no rows) and the per-staleness values of a staleness not trained:
+    they are computed as tensors (knowing which are empty would need a host sync of its own) and dropped here,
+    after the step's one sync."""
     out = dict(values)
     for key in [k for k in out if k.startswith("count/")]:
         if out.pop(key) == 0.0:

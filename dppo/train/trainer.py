@@ -265,8 +265,8 @@ class Trainer:
                         loss_finite &= torch.isfinite(loss.detach())
                         mb_loss = mb_loss + loss.detach().float()
                         acc.add_loss(stats)
-                        if first:  # the mismatch between engine and trainer before any update of this step
-                            acc.add_mismatch(batch, micro, scores)
+                        if epoch == 0:  # the engine-trainer mismatch: every row once (its means: before any update)
+                            acc.add_mismatch(batch, micro, scores, start=first, old=old)
                 with timer.time("optimizer"):
                     grad_norm = self.optim.step(loss_finite, self.step_idx + 1)
                 fault_point("update", self.step_idx + 1)
@@ -303,8 +303,9 @@ class Trainer:
         """Sampled pass@1 (pass@k and maj@k with several responses each) and mean reward on held-out examples."""
         examples = self.eval_examples if examples is None else examples
         temp = temperature or self.cfg.train.eval_temperature or self.cfg.rollout.temperature
+        # µ's top-K recorded as in training: an agent's client sees the same answers (top_logprobs) in both
         params = self._sampling_params(10_000_000 + self.step_idx, n=self.cfg.train.eval_samples_per_prompt,
-                                       temperature=temp, top_k_logprobs=0)
+                                       temperature=temp)
         return self.dist.evaluate(  # each rank evaluates its share of the examples
             lambda share: evaluate(self.source, share, params, pad_id=self.pad_id, vote=vote_rule(self.task.reward)), examples)
 

@@ -116,3 +116,15 @@ def scripted(client, example, calls: int = 3):
 def six_calls(client, example):
     """`scripted` with 6 calls: more than env.max_turns' default (4)."""
     return scripted(client, example, calls=6)
+
+
+def asks_top_logprobs(client, example):
+    """SkyRL's request: `logprobs: true, top_logprobs: 1`; raises (a failed episode) unless every token comes with µ's
+    log-prob and its top-1 cell."""
+    prompt = example.prompt if isinstance(example.prompt, str) else example.prompt[-1]["content"]
+    reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt}],
+                                           logprobs=True, top_logprobs=1)
+    tokens = reply.choices[0].logprobs.content
+    if not tokens or any(len(t.top_logprobs) != 1 for t in tokens):
+        raise ValueError(f"top_logprobs not answered: {tokens}")
+    return 1.0

@@ -7,6 +7,7 @@ servers failing at make_environment naming the option; and two trainer steps end
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 import subprocess
 import sys
@@ -120,7 +121,7 @@ def test_a_server_that_dies_is_an_error_message_and_the_next_factory_connects_an
     env.reset(EXAMPLE)
     step = env.step(call("crash"))
     assert step.messages[0]["content"] == ("Error: MCPToolError: the MCP server did not answer: MCPError: "
-                                           "Connection closed")
+                                           f"Connection closed [server: {shlex.join(COMMAND)}]")
     assert step.info["tool_errors"] == 1.0 and not made.session.alive
     later = env.step(call("add", a=1, b=2))  # at once, without waiting for a timeout
     assert later.messages[0]["content"].startswith("Error: MCPToolError: the MCP server is gone")

@@ -479,3 +479,22 @@ def test_evaluation_reports_the_episodes_that_failed(tmp_path, capsys):
         result = trainer.evaluate_and_log()
     assert result["n"] == 6 and result["episode_failures"] == 6 and "episode_timeouts" not in result
     assert "6 failures (scored 0)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("region", ["dppo_binary_tv", "dppo_topk_tv"])
+def test_a_clients_top_logprobs_is_answered_in_training_and_in_evaluation(tmp_path, region):
+    """SkyRL's default `top_logprobs: 1`: an agent run records µ's top-1 by default (K = 1 under Binary-TV; a Top-K
+    region's 20), and evaluation episodes record the run's K too (they recorded none: every one was refused)."""
+    from conftest import smoke_config
+    from dppo.train.trainer import Trainer
+
+    cfg = smoke_config(tmp_path, rollout={"episodes": "agent", "engine": "hf", "dtype": "float32", "max_new_tokens": 3,
+                                          "prompts_per_step": 2, "group_size": 2},
+                       agent={"name": f"{AGENTS}:asks_top_logprobs", "max_tokens": 64}, loss={"trust_region": region},
+                       task={"eval_size": 2}, train={"threads": 1, "eval_samples_per_prompt": 1})
+    assert cfg.top_k_logprobs == (1 if region == "dppo_binary_tv" else 20)
+    with Trainer(cfg, tmp_path) as trainer:
+        metrics = trainer.step()
+        result = trainer.evaluate()
+    assert metrics["reward/mean"] == 1.0 and metrics["episode/env_errors"] == 0
+    assert result["n"] == 2 and result["reward_mean"] == 1.0 and "episode_failures" not in result

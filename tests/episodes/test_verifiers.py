@@ -159,8 +159,8 @@ def test_the_trainer_trains_two_steps_on_a_verifiers_taskset(tmp_path, taskset):
     from conftest import smoke_config
     from dppo.train.trainer import Trainer
 
-    options = {"taskset": {"sum": TASKSET, "tools": TOOLS}[taskset], "size": 8, "eval_size": 2, "client": "eval"}
-    cfg = smoke_config(tmp_path, task={"name": "verifiers", "options": json.dumps(options)},
+    options = {"taskset": {"sum": TASKSET, "tools": TOOLS}[taskset], "client": "eval"}
+    cfg = smoke_config(tmp_path, task={"name": "verifiers", "options": json.dumps(options), "size": 8, "eval_size": 2},
                        agent={"name": "verifiers", "max_tokens": 64},
                        rollout={"episodes": "agent", "engine": "hf", "dtype": "float32", "max_new_tokens": 4,
                                 "prompts_per_step": 2, "group_size": 2},

@@ -112,3 +112,15 @@ def test_eval_command_evaluates_each_checkpoint_with_pass_and_maj_at_k(tmp_path,
         assert message in " ".join(capsys.readouterr().err.split())
     assert main(["eval", "--preset", "smoke", "--step", "1"]) == 2
     assert "--step: evaluating a checkpoint needs --run-dir" in capsys.readouterr().err
+
+
+def test_dppo_trains_closing_eval_lines_name_the_failed_episodes_as_the_steps_eval_line_does():
+    """The step's eval line said "3 failures (scored 0)"; `dppo train`'s closing "eval after:" line left them out."""
+    from dppo.cli import eval_summary
+    from dppo.train.evaluation import eval_line
+
+    after = {"pass@1": 0.25, "reward_mean": 0.25, "n": 8, "episode_failures": 3, "episode_timeouts": 1}
+    lines = eval_summary({"eval_before": {"pass@1": 0.5, "reward_mean": 0.5, "n": 8}, "eval_after": after})
+    assert lines == ["[dppo] eval before: pass@1 0.500 (mean reward 0.500, n=8)",
+                     "[dppo] eval after: pass@1 0.250 (mean reward 0.250, n=8, 3 failures (scored 0), 1 timeouts (scored 0))"]
+    assert eval_line(4, after).endswith("over 8 held-out samples, 3 failures (scored 0), 1 timeouts (scored 0)")
