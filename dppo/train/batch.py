@@ -152,18 +152,37 @@ def stamp_staleness(batch: RolloutBatch, step: int) -> RolloutBatch:
 
 
 def minibatches(groups: Tensor, mini_batches: int, *, seed: int, step: int, epoch: int,
-                device: torch.device) -> list[Tensor]:
+                device: torch.device, strata: Tensor | None = None) -> list[Tensor]:
     """Split the B sequences into `mini_batches` mini-batches of whole groups (`groups` [B]: each sequence's group,
     non-decreasing: `episode_groups`), the group order shuffled per epoch and step (seeded; epoch 0 of a single
-    mini-batch keeps the order). With G rows per group (single rows) the order is that of G contiguous rows."""
+    mini-batch keeps the order). With G rows per group (single rows) the order is that of G contiguous rows.
+    `strata` ([n_groups], `group_strata`): the shuffled groups are dealt out by stratum in turn, so that every
+    mini-batch with room for them holds a group of each stratum (the first mini-batch, where the step's mismatch is
+    measured before any update, sees every fleet member of the step)."""
     groups = groups.cpu()
     M, n_groups = mini_batches, int(groups[-1]) + 1
     gen = torch.Generator().manual_seed(seed * 7919 + step * 31 + epoch)
     order = torch.randperm(n_groups, generator=gen) if epoch > 0 or M > 1 else torch.arange(n_groups)
+    if strata is not None and M > 1:
+        keys, count, rank = strata.cpu()[order].tolist(), {}, []
+        for k in keys:  # rank: the shuffled group is the rank-th of its stratum
+            rank.append(count.get(k, 0))
+            count[k] = rank[-1] + 1
+        order = order[sorted(range(n_groups), key=lambda i: (rank[i], keys[i]))]
     sizes = torch.bincount(groups, minlength=n_groups)
     starts = torch.cumsum(sizes, 0) - sizes
     return [torch.cat([torch.arange(int(starts[g]), int(starts[g] + sizes[g])) for g in chunk.tolist()]).to(device)
             for chunk in order.chunk(M)]
+
+
+def group_strata(batch: RolloutBatch, groups: Tensor) -> Tensor | None:
+    """[n_groups] on the CPU: each group's fleet member (`extras["engine"]` of its first row), the strata of
+    `minibatches`; None without a fleet, or with one member in the batch."""
+    if "engine" not in batch.extras:
+        return None
+    sizes = torch.bincount(groups)
+    member = batch.extras["engine"].cpu()[torch.cumsum(sizes, 0) - sizes].long()
+    return member if member.unique().numel() > 1 else None
 
 
 def episode_groups(batch: RolloutBatch, group_size: int) -> Tensor:

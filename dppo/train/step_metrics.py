@@ -69,46 +69,39 @@ class StepAccumulator:
                 for j in range(n.shape[0]):
                     self._add(f"trust_region/masked_frac_{name}_{j}", frac[j], n[j])
 
-    def add_mismatch(self, batch: RolloutBatch, micro: Tensor, scores, *, start: bool, old=None) -> None:
-        """The mismatch between engine and trainer on the micro-batch `micro`. Call it on every micro-batch of the
-        step's first epoch (each row once). `start`: the step's first mini-batch, whose π has had no update yet: the
-        unsplit means (`mismatch/*`) and the entropy are measured there only. The splits (per staleness, turn, fleet
-        member) take every row of the step: from `old` (π_old's scores of the whole batch, with loss.split_mismatch
-        or the recompute anchor: before any update, exactly) when given, else from `scores` (each row as it is first
-        trained: after the first mini-batch, π has taken the step's earlier optimiser steps)."""
-        mask, mu = batch.loss_mask[micro], batch.rollout_logp[micro]
-        if start:
-            self._add_mismatch_means(batch, micro, scores)
-        logp, cells = scores.logp.detach(), scores.topk_logp
-        if old is not None:
-            logp, cells = old.logp[micro], None if old.topk_logp is None else old.topk_logp[micro]
-        given = _cells(batch, micro, cells)
-        has_cells = given["logp_cells"] is not None
-        if "staleness" in batch.extras:  # (set by `step`; absent in a batch made by hand)
-            self._add_groups("mismatch/binary_tv_stale", binary_tv(logp, mu), mask, batch.extras["staleness"][micro],
-                             self.max_staleness + 1)
-        splits = []  # per turn of an episode (generated tokens only), per fleet member: (name, group index, groups)
-        if self.max_turns and "turn_index" in batch.extras:
-            splits.append(("turn", batch.extras["turn_index"][micro], self.max_turns))
-        if self.engines and "engine" in batch.extras:
-            splits.append(("engine", batch.extras["engine"][micro], self.engines))
-        per_token = metrics.token_mismatch(logp, mu, **given) if splits else {}  # (µ's top-K on every token)
-        for by, index, n in splits:
-            for name in ("binary_tv", "topk_tv") if has_cells else ("binary_tv",):
-                self._add_groups(f"mismatch/{name}_{by}", per_token[name], mask, index, n)
-        if self.max_turns and "turn_index" in batch.extras and "token_staleness" in batch.extras:
-            self._add_groups("rollout/staleness_turn", batch.extras["token_staleness"][micro].float(), mask,
-                             batch.extras["turn_index"][micro], self.max_turns)
-
-    def _add_mismatch_means(self, batch: RolloutBatch, micro: Tensor, scores) -> None:
-        """`mismatch/*` (`metrics.mismatch_stats`) and the policy's entropy on a micro-batch of the first mini-batch."""
-        mask, logp, mu = batch.loss_mask[micro], scores.logp.detach(), batch.rollout_logp[micro]
-        stats = metrics.mismatch_stats(logp, mu, mask, **_cells(batch, micro, scores.topk_logp))
+    def add_mismatch(self, batch: RolloutBatch, rows: Tensor, logp: Tensor, cells: Tensor | None) -> None:
+        """The engine-trainer mismatch on the rows `rows` of the batch, `logp` and `cells` π's log-probs and top-K
+        cells of those rows before any update of the step (the first mini-batch's forward, or π_old of the whole
+        batch): the means (`mismatch/*`, `metrics.mismatch_stats`) and their splits per staleness, turn of an episode
+        and fleet member, over the same tokens (a part holding every token has the unsplit value)."""
+        mask, mu, logp = batch.loss_mask[rows], batch.rollout_logp[rows], logp.detach()
+        given = _cells(batch, rows, cells)
+        stats = metrics.mismatch_stats(logp, mu, mask, **given)
         n = stats.pop("n_tokens")
         for key, value in stats.items():
             self._add(f"mismatch/{key}", value, n)
-        if scores.entropy is not None:
-            self._add("policy/entropy", *metrics.token_mean(scores.entropy, mask))
+        if "staleness" in batch.extras:  # (set by `step`; absent in a batch made by hand)
+            self._add_groups("mismatch/binary_tv_stale", binary_tv(logp, mu), mask, batch.extras["staleness"][rows],
+                             self.max_staleness + 1)
+        splits = []  # per turn of an episode (generated tokens only), per fleet member: (name, group index, groups)
+        if self.max_turns and "turn_index" in batch.extras:
+            splits.append(("turn", batch.extras["turn_index"][rows], self.max_turns))
+        if self.engines and "engine" in batch.extras:
+            splits.append(("engine", batch.extras["engine"][rows], self.engines))
+        per_token = metrics.token_mismatch(logp, mu, **given) if splits else {}  # (µ's top-K on every token)
+        for by, index, groups in splits:
+            for name in ("binary_tv", "topk_tv") if given["logp_cells"] is not None else ("binary_tv",):
+                self._add_groups(f"mismatch/{name}_{by}", per_token[name], mask, index, groups)
+
+    def add_entropy(self, entropy: Tensor | None, mask: Tensor) -> None:
+        if entropy is not None:
+            self._add("policy/entropy", *metrics.token_mean(entropy, mask))
+
+    def add_turn_staleness(self, batch: RolloutBatch) -> None:
+        """Per turn of an episode: the mean staleness of its generated tokens over the whole batch."""
+        if self.max_turns and "turn_index" in batch.extras and "token_staleness" in batch.extras:
+            self._add_groups("rollout/staleness_turn", batch.extras["token_staleness"].float(), batch.loss_mask,
+                             batch.extras["turn_index"], self.max_turns)
 
     def add_grad_norm(self, grad_norm: Tensor, loss_finite: Tensor) -> None:
         self.grad_norms.append(grad_norm.float())

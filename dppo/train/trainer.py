@@ -33,7 +33,8 @@ from dppo.rollout.source import Draw
 from dppo.run_files.checkpoint import save_training_checkpoint
 from dppo.run_files.logger import RunLogger
 from dppo.runtime.faults import fault_point
-from dppo.train.batch import RolloutBatch, collate, episode_groups, loss_inputs, minibatches, stamp_staleness
+from dppo.train.batch import (RolloutBatch, collate, episode_groups, group_strata, loss_inputs, minibatches,
+                              stamp_staleness)
 from dppo.train.batch_stats import mini_batch_statistics
 from dppo.train.build import build_episodes, build_model, build_scorer, build_task, check_environment
 from dppo.train.config import Config
@@ -243,10 +244,14 @@ class Trainer:
         cfg = self.cfg
         timer = timer or StepTimer(cuda=self.device.type == "cuda")
         acc = StepAccumulator(self.device, self.source.max_staleness, self.episodes.max_turns, len(cfg.rollout.fleet_members))
+        acc.add_turn_staleness(batch)
+        if old is not None:  # π_old of every row: the mismatch before any update, over the whole step
+            acc.add_mismatch(batch, torch.arange(batch.response_ids.shape[0], device=self.device), old.logp, old.topk_logp)
         first = True
         for epoch in range(cfg.train.epochs):
-            for mb in minibatches(episode_groups(batch, cfg.rollout.group_size), cfg.train.mini_batches,
-                                  seed=cfg.train.seed, step=self.step_idx, epoch=epoch, device=self.device):
+            groups = episode_groups(batch, cfg.rollout.group_size)
+            for mb in minibatches(groups, cfg.train.mini_batches, seed=cfg.train.seed, step=self.step_idx, epoch=epoch,
+                                  device=self.device, strata=group_strata(batch, groups)):
                 denom = self.dist.global_denominator(aggregation_denominator(batch.loss_mask[mb], cfg.loss.aggregation))
                 batch_stats = mini_batch_statistics(self.loss_spec, batch, mb, old, score=self._score, dist=self.dist,
                                                     micro_batch_size=cfg.train.micro_batch_size, device=self.device)
@@ -265,8 +270,10 @@ class Trainer:
                         loss_finite &= torch.isfinite(loss.detach())
                         mb_loss = mb_loss + loss.detach().float()
                         acc.add_loss(stats)
-                        if epoch == 0:  # the engine-trainer mismatch: every row once (its means: before any update)
-                            acc.add_mismatch(batch, micro, scores, start=first, old=old)
+                        if first:  # before any update of this step: the entropy, and without π_old the mismatch
+                            acc.add_entropy(scores.entropy, batch.loss_mask[micro])
+                            if old is None:
+                                acc.add_mismatch(batch, micro, scores.logp, scores.topk_logp)
                 with timer.time("optimizer"):
                     grad_norm = self.optim.step(loss_finite, self.step_idx + 1)
                 fault_point("update", self.step_idx + 1)

@@ -1,6 +1,7 @@
-"""The step's split metrics (`dppo.train.step_metrics`): per fleet member, staleness and turn, each a mean over every
-row of the step that belongs to the part, and absent where the part had no tokens; the unsplit mismatch means stay
-the first mini-batch's (before any update)."""
+"""The step's split metrics (`dppo.train.step_metrics`, `dppo.train.batch.minibatches`): per fleet member, staleness
+and turn, each over the same tokens as the unsplit mismatch (the first mini-batch, before any update; with π_old the
+whole step), absent where the part had no tokens; the mini-batches dealt out by fleet member and staleness, so the
+first one holds every part the step has."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dppo.train.batch import group_strata, minibatches
 from dppo.train.step_metrics import StepAccumulator, prune_unreached
 
 
@@ -27,55 +29,77 @@ def _batch(engine, staleness, turn):
     return batch, logp
 
 
-def _scores(logp, rows):
-    return SimpleNamespace(logp=logp[rows], topk_logp=None, entropy=None)
-
-
 def _tv(logp, mu, mask, rows):
     """Mean |π(a) − µ(a)| over the tokens of `rows`, by hand."""
     tv = (logp.exp() - mu.exp()).abs()
     return float((tv[rows] * mask[rows]).sum() / mask[rows].sum())
 
 
-def _step(batch, logp, micros, *, engines=3, max_staleness=2, max_turns=3, old=None):
-    acc = StepAccumulator(torch.device("cpu"), max_staleness=max_staleness, max_turns=max_turns, engines=engines)
-    for i, micro in enumerate(micros):
-        acc.add_mismatch(batch, micro, _scores(logp, micro), start=i == 0, old=old)
+def _result(acc, batch, max_staleness):
     values = {k: float(v) for k, v in acc.result_means().items()}
     values.update({f"rollout/staleness_frac_{j}": float((batch.extras["staleness"] == j).float().mean())
                    for j in range(max_staleness + 1)})
     return prune_unreached(values, max_staleness)
 
 
-def test_a_part_absent_from_the_first_mini_batch_is_measured_over_the_step_and_an_empty_part_is_absent():
-    """Engine 1's rows are all in the second micro-batch: its value is their mean, not 0.0; engine 2 had no rows
-    (and staleness 1, turn 2): no value at all. The unsplit mean is the first mini-batch's alone."""
+def test_the_splits_cover_the_unsplit_tokens_and_a_part_without_tokens_is_absent_not_zero():
+    """The first mini-batch holds rows 0-1 (engine 0, staleness 0, turn 0) and row 2 (engine 1, staleness 2, turn 1):
+    each split's part is the mean over its tokens there; engine 2, staleness 1 and turn 2 had none and are absent
+    (they were logged as 0.0); a part holding every token would equal the unsplit mean."""
     batch, logp = _batch(engine=[0, 0, 1, 1], staleness=[0, 0, 2, 2], turn=[0, 0, 1, 1])
     mask, mu = batch.loss_mask, batch.rollout_logp
-    micros = [torch.tensor([0, 1]), torch.tensor([2, 3])]
-    out = _step(batch, logp, micros)
+    acc = StepAccumulator(torch.device("cpu"), max_staleness=2, max_turns=3, engines=3)
+    first = torch.tensor([0, 1, 2])
+    acc.add_mismatch(batch, first, logp[first], None)
+    acc.add_turn_staleness(batch)
+    out = _result(acc, batch, 2)
     for part in ("engine", "stale", "turn"):
         assert out[f"mismatch/binary_tv_{part}_0"] == pytest.approx(_tv(logp, mu, mask, [0, 1]))
-    assert out["mismatch/binary_tv_engine_1"] == pytest.approx(_tv(logp, mu, mask, [2, 3]))
-    assert out["mismatch/binary_tv_stale_2"] == pytest.approx(_tv(logp, mu, mask, [2, 3]))
-    assert out["mismatch/binary_tv_turn_1"] == pytest.approx(_tv(logp, mu, mask, [2, 3]))
-    assert out["rollout/staleness_turn_1"] == pytest.approx(2.0)
+    assert out["mismatch/binary_tv_engine_1"] == pytest.approx(_tv(logp, mu, mask, [2]))
+    assert out["mismatch/binary_tv_stale_2"] == pytest.approx(_tv(logp, mu, mask, [2]))
+    assert out["mismatch/binary_tv_turn_1"] == pytest.approx(_tv(logp, mu, mask, [2]))
+    assert out["mismatch/binary_tv_mean"] == pytest.approx(_tv(logp, mu, mask, [0, 1, 2]))
+    assert out["rollout/staleness_turn_1"] == pytest.approx(2.0)  # (the whole batch: no π needed)
     for gone in ("mismatch/binary_tv_engine_2", "mismatch/binary_tv_stale_1", "mismatch/binary_tv_turn_2",
                  "rollout/staleness_turn_2"):
         assert gone not in out
     assert not [k for k in out if k.startswith("count/")]
-    assert out["mismatch/binary_tv_mean"] == pytest.approx(_tv(logp, mu, mask, [0, 1]))
 
 
-def test_with_pi_old_the_splits_are_the_whole_batch_before_any_update():
-    """Given π_old's scores of the whole batch (loss.split_mismatch, the recompute anchor), every split is read from
-    them, whatever π the micro-batches were scored with."""
+def test_with_pi_old_every_row_of_the_step_is_measured():
+    """Given π_old's log-probs of the whole batch (loss.split_mismatch, the recompute anchor): every row."""
     batch, logp = _batch(engine=[1, 0, 1, 0], staleness=[0, 1, 0, 1], turn=[0, 0, 0, 0])
-    old_logp = logp - 0.3
-    old = SimpleNamespace(logp=old_logp, topk_logp=None)
     mask, mu = batch.loss_mask, batch.rollout_logp
-    out = _step(batch, logp, [torch.tensor([0, 1]), torch.tensor([2, 3])], engines=2, max_staleness=1, old=old)
-    assert out["mismatch/binary_tv_engine_1"] == pytest.approx(_tv(old_logp, mu, mask, [0, 2]))
-    assert out["mismatch/binary_tv_engine_0"] == pytest.approx(_tv(old_logp, mu, mask, [1, 3]))
-    assert out["mismatch/binary_tv_stale_1"] == pytest.approx(_tv(old_logp, mu, mask, [1, 3]))
-    assert out["mismatch/binary_tv_mean"] == pytest.approx(_tv(logp, mu, mask, [0, 1]))  # (π's, first mini-batch)
+    acc = StepAccumulator(torch.device("cpu"), max_staleness=1, max_turns=0, engines=2)
+    acc.add_mismatch(batch, torch.arange(4), logp, None)
+    out = _result(acc, batch, 1)
+    assert out["mismatch/binary_tv_engine_1"] == pytest.approx(_tv(logp, mu, mask, [0, 2]))
+    assert out["mismatch/binary_tv_engine_0"] == pytest.approx(_tv(logp, mu, mask, [1, 3]))
+    assert out["mismatch/binary_tv_stale_1"] == pytest.approx(_tv(logp, mu, mask, [1, 3]))
+    assert out["mismatch/binary_tv_mean"] == pytest.approx(_tv(logp, mu, mask, [0, 1, 2, 3]))
+
+
+@pytest.mark.parametrize("step", range(6))
+def test_every_mini_batch_with_room_holds_a_group_of_every_fleet_member(step):
+    """9 groups of 2 rows, fleet members 0,1,2 in turn, 3 mini-batches of 3 groups: with the members as strata every
+    mini-batch holds each member once (a plain shuffle leaves members out of the first, where the mismatch is
+    measured), and the mini-batches still partition the batch in whole groups."""
+    groups = torch.arange(18) // 2
+    engine = groups % 3
+    strata = group_strata(SimpleNamespace(extras={"engine": engine}), groups)
+    mbs = minibatches(groups, 3, seed=0, step=step, epoch=0, device=torch.device("cpu"), strata=strata)
+    assert sorted(torch.cat(mbs).tolist()) == list(range(18)) and all(len(mb) == 6 for mb in mbs)
+    assert all(set(groups[mb].tolist()) <= set(groups[mb][::2].tolist()) for mb in mbs)  # (whole groups)
+    assert all(sorted(engine[mb][::2].tolist()) == [0, 1, 2] for mb in mbs)
+    plain = minibatches(groups, 3, seed=0, step=step, epoch=0, device=torch.device("cpu"))
+    assert sorted(torch.cat(plain).tolist()) == list(range(18))
+    assert group_strata(SimpleNamespace(extras={"engine": torch.zeros(18, dtype=torch.long)}), groups) is None
+    assert group_strata(SimpleNamespace(extras={}), groups) is None
+
+
+def test_a_plain_shuffle_does_leave_a_member_out_of_the_first_mini_batch():
+    """What the strata are for: over a few steps, the unstratified first mini-batch misses a member."""
+    groups = torch.arange(18) // 2
+    engine = groups % 3
+    firsts = [minibatches(groups, 3, seed=0, step=s, epoch=0, device=torch.device("cpu"))[0] for s in range(6)]
+    assert any(set(engine[mb].tolist()) != {0, 1, 2} for mb in firsts)
