@@ -30,7 +30,7 @@ from torch import Tensor
 
 from dppo.divergence import binary_kl, binary_tv, topk_kl, topk_tv
 
-__all__ = ["MAXIMA", "MU_BUCKETS", "NAMES", "SEQUENCE_WEIGHTS", "WEIGHTS", "from_sums", "loss_terms", "maj_at_k",
+__all__ = ["MAXIMA", "MU_BUCKETS", "NAMES", "SEQUENCE_WEIGHTS", "WEIGHTS", "WeightedMeans", "from_sums", "loss_terms", "maj_at_k",
            "pass_at_k", "pass_at_k_values",
            "masked_mu_histogram", "masked_mu_shares", "masked_shares",
            "merge", "mismatch_split", "mismatch_stats", "per_group_sums", "ratio_stats", "to_sums", "token_mean", "token_mismatch"]
@@ -252,6 +252,29 @@ def per_group_sums(values: Tensor, response_mask: Tensor, group_index: Tensor, n
         return torch.einsum("bt,btg->g", _on(values, response_mask), onehot), onehot.sum((0, 1))
     onehot = (group_index[:, None] == groups[None, :]).to(values.dtype)
     return _on(values, response_mask).sum(-1) @ onehot, response_mask.to(values.dtype).sum(-1) @ onehot
+
+
+class WeightedMeans:
+    """Means accumulated over parts (micro-batches, mini-batches) as tensors, with no host sync: `add(key, mean,
+    weight)` per part, `means()` at the end = Σ mean·weight / Σ weight per key (0 where the weights add to 0),
+    `weight(key)` the total weight. The one weighted mean of the step's metrics and its ledger."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Tensor] = {}
+        self.weights: dict[str, Tensor] = {}
+
+    def add(self, key: str, value: Tensor, weight: Tensor) -> None:
+        self.sums[key] = self.sums.get(key, 0) + value.detach().float() * weight
+        self.weights[key] = self.weights.get(key, 0) + weight
+
+    def weight(self, key: str) -> Tensor:
+        return torch.as_tensor(self.weights[key])
+
+    def means(self) -> dict[str, Tensor]:
+        return {k: self.sums[k] / self.weight(k).clamp(min=1e-12) for k in self.sums}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.sums
 
 
 def to_sums(stats: Mapping[str, Tensor], weights: Mapping[str, str] = WEIGHTS) -> dict[str, Tensor]:

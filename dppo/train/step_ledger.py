@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from dppo import ledger
+from dppo.metrics import WeightedMeans
 from dppo.divergence import binary_tv
 
 TOKEN_MEANS = (*ledger.DRIFT_KEYS, "ledger/drift_net")
@@ -49,16 +50,14 @@ class LedgerSums:
     """The step's ledger: means added with their weights, sums added, maxima maxed (tensors; no host sync)."""
 
     def __init__(self) -> None:
+        self.means = WeightedMeans()
         self.sums: dict[str, Tensor] = {}
-        self.weights: dict[str, Tensor] = {}
         self.maxima: dict[str, Tensor] = {}
 
     def add(self, terms: dict[str, Tensor]) -> None:
         for key, value in terms.items():
             if key in TOKEN_MEANS or key in ROW_MEANS:
-                w = terms["n_tokens" if key in TOKEN_MEANS else "n_rows"]
-                self.sums[key] = self.sums.get(key, 0) + value.float() * w
-                self.weights[key] = self.weights.get(key, 0) + w
+                self.means.add(key, value, terms["n_tokens" if key in TOKEN_MEANS else "n_rows"])
             elif key in SUMS:
                 self.sums[key] = self.sums.get(key, 0) + value.float()
             elif key in MAXIMA:
@@ -67,7 +66,7 @@ class LedgerSums:
     def result(self) -> dict[str, Tensor]:
         if "ledger/mass" not in self.sums:
             return {}
-        out = {k: self.sums[k] / self.weights[k].clamp(min=1e-12) for k in self.weights}
+        out = self.means.means()
         out.update(ledger.mass_shares(self.sums))
         if all(k in out for k in ledger.DRIFT_KEYS):
             out.update(ledger.drift_shares(out))

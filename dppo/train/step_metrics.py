@@ -29,8 +29,7 @@ class StepAccumulator:
         self.max_staleness = max_staleness  # the mismatch and masked fraction per staleness 0..k
         self.max_turns = max_turns  # ... and per turn 0..max_turns-1 of multi-turn episodes
         self.engines = engines  # ... and per fleet member 0..engines-1 (rollout.fleet; 0 = one engine, no split)
-        self.sums: dict[str, Tensor] = {}
-        self.weights: dict[str, Tensor] = {}
+        self.means = metrics.WeightedMeans()
         self.ratio_max = torch.zeros((), device=device)
         self.grad_norms: list[Tensor] = []
         self.nonfinite_losses = torch.zeros((), device=device)
@@ -38,8 +37,7 @@ class StepAccumulator:
         self.ledger = LedgerSums()  # the trust-region ledger (`dppo.train.step_ledger`)
 
     def _add(self, key: str, value: Tensor, weight: Tensor) -> None:
-        self.sums[key] = self.sums.get(key, 0) + value.detach().float() * weight
-        self.weights[key] = self.weights.get(key, 0) + weight
+        self.means.add(key, value, weight)
 
     def _add_groups(self, prefix: str, values: Tensor, mask: Tensor, group_index: Tensor, n_groups: int) -> None:
         """`prefix`_j: the mean of `values` over the tokens of group j (`metrics.per_group_sums`), j < n_groups."""
@@ -109,10 +107,10 @@ class StepAccumulator:
 
     def result_means(self) -> dict[str, Tensor]:
         """Every summed value's weighted mean, and each split part's `count/`."""
-        out = {k: self.sums[k] / torch.as_tensor(self.weights[k]).clamp(min=1e-12) for k in self.sums}
+        out = self.means.means()
         # the token count behind each split's value (per staleness, turn, fleet member): `prune_unreached` drops the
         # values of a part with no tokens in the step (a turn no episode reached, a member with no rows)
-        out.update({f"count/{k}": torch.as_tensor(self.weights[k]) for k in self.sums if SPLIT.search(k)})
+        out.update({f"count/{k}": self.means.weight(k) for k in self.means.sums if SPLIT.search(k)})
         return out
 
     def result(self) -> dict[str, Tensor]:

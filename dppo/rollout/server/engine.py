@@ -62,7 +62,6 @@ POLL_S = 0.05
 MAX_ATTEMPTS = 4
 """Servers one request is sent to, in turn, before its step fails (each failure also recovers that server)."""
 _MIN_TEMPERATURE = 1e-5
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM 0.32 accepts for --max-lora-rank."""
 
@@ -129,9 +128,9 @@ class ServerEngine:
         self.settings = settings
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
-        self.dtype, self.partial, self.max_logprobs = _DTYPES[dtype], settings.partial, max_logprobs
+        if dtype not in models.DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(models.DTYPES)}, got {dtype!r}")
+        self.dtype, self.partial, self.max_logprobs = models.DTYPES[dtype], settings.partial, max_logprobs
         self._tmpdir = tempfile.mkdtemp(prefix="dppo-server-model-") if isinstance(model, nn.Module) else None
         self._closed = False
         logs = Path(log_dir) if log_dir else (None if settings.url_list else

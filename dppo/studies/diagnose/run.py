@@ -38,7 +38,6 @@ from dppo.train.resolve import resolve_device
 from dppo.train.evaluation import engine_prompts
 from dppo.train.scoring import AUTOCAST, score_responses
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _task_examples(task: str, options: Mapping[str, Any], n_prompts: int, seed: int) -> list:
@@ -66,7 +65,7 @@ def _round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def _make_engine(name: str, model, tokenizer, path: Path, dtype: str, seed: int, top_k: int):
     """The engine, built as `dppo.rollout.spec.build_engine` builds it, holding the trainer's weights."""
     if name == "hf":
-        return make_engine("hf", model, tokenizer, dtype=_DTYPES[dtype], seed=seed)
+        return make_engine("hf", model, tokenizer, dtype=models.DTYPES[dtype], seed=seed)
 
     defaults = VLLMSettings()
     extra = ({"gpu_memory_utilization": defaults.gpu_memory_utilization} if torch.cuda.is_available()
@@ -140,7 +139,7 @@ def run_diagnose(
     `histograms.png`; returns the report (`mismatch_report`'s dict plus "config", "precision_pairs", "batch_shape",
     "timing_s" and "files").
     """
-    engine_dtypes = _as_list(engine_dtype, "engine_dtype", tuple(_DTYPES))
+    engine_dtypes = _as_list(engine_dtype, "engine_dtype", tuple(models.DTYPES))
     precisions = _as_list(trainer_precision, "trainer_precision", tuple(AUTOCAST))
     if n_prompts < 1:
         raise ValueError(f"n_prompts: expected >= 1, got {n_prompts}")
@@ -167,7 +166,7 @@ def run_diagnose(
         t0 = time.perf_counter()
         trainer = copy.deepcopy(base)
         if dtype != "float32":
-            _round_weights(trainer, _DTYPES[dtype])
+            _round_weights(trainer, models.DTYPES[dtype])
         eng = _make_engine(engine_name, trainer, tokenizer, path, dtype, seed, top_k)
         timing["setup"] += time.perf_counter() - t0
         try:
