@@ -61,7 +61,7 @@ def ledger_seconds(trainer: Trainer, batch, adv, repeats: int = 5) -> float:
     old = trainer._recompute(batch).logp  # π_old (and, unchanged, π): the run's forward, untimed
     keep = batch.loss_mask.clone()
     micros = torch.arange(batch.response_ids.shape[0], device=trainer.device).split(trainer.cfg.train.micro_batch_size)
-    stale, reward = batch.extras["staleness"], batch.extras["reward"]  # (single answers: one row per episode)
+    stale, reward = batch.staleness, batch.reward  # (single answers: one row per episode)
 
     def once() -> None:
         sums = LedgerSums()
@@ -136,7 +136,7 @@ def main() -> None:
         row["gen_alone_s"] = time.perf_counter() - t0
         row["C_old_after_gen_s"] = timed(lambda: trainer._update(batch, adv, None))
         new = collate(rollouts, pad_id=trainer.pad_id).to(trainer.device)
-        new.extras["staleness"] = torch.zeros(new.response_ids.shape[0], dtype=torch.long, device=trainer.device)
+        new.staleness = torch.zeros(new.response_ids.shape[0], dtype=torch.long, device=trainer.device)
         new_adv = torch.randn(new.response_ids.shape[0], device=trainer.device)
         row["D_new_not_after_gen_s"] = timed(lambda: trainer._update(new, new_adv, None))
         row["ledger_s"] = ledger_seconds(trainer, batch, adv)

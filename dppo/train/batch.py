@@ -10,17 +10,19 @@ K+1 = µ's top-K plus the sampled token's slot):
   equal to `response_mask` for single-turn responses, False on a multi-turn episode's environment tokens
 - `rollout_logp` [B, T] float32: log µ(a_t|s_t) recorded by the engine (0 at padding and on environment tokens)
 - `weight_version` [B] int64: the engine weights each response was sampled under (started under)
-- `extras["token_version"]` [B, T] int64: the weights of each token, where the engine records it
-- `extras["turn_index"]` [B, T] int64: the assistant turn of each token (episodes only; -1 at padding)
-- `extras["episode"]` [B] int64: each row's episode (= the row, but for an agent's multi-row episodes,
+- `token_version` [B, T] int64: the weights of each token, where the engine records it
+- `turn_index` [B, T] int64: the assistant turn of each token (episodes only; -1 at padding)
+- `episode` [B] int64: each row's episode (= the row, but for an agent's multi-row episodes,
   `dppo.episodes.results.row_episodes`); rewards and advantages come per episode and are read through it
-- `extras["engine"]` [B] int64: the fleet member that sampled each row (`Rollout.engine`; 0 for a single engine)
+- `engine` [B] int64: the fleet member that sampled each row (`Rollout.engine`; 0 for a single engine)
+- `staleness` [B], `token_staleness` [B, T] int64: set by `stamp_staleness` for the step that trains on the batch;
+  `reward` [B] float: each row's episode reward, set by the trainer (the ledger's surrogate)
 - `topk_ids`, `topk_logp`, `topk_valid` [B, T, K+1]: µ's top-K cells (None without top-K capture)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -56,7 +58,23 @@ class RolloutBatch:
     """[B, T, K+1] float32 or None."""
     rollout_topk_valid: Tensor | None = None
     """[B, T, K+1] bool or None (False at padding)."""
-    extras: dict = field(default_factory=dict)
+    episode: Tensor | None = None
+    """[B] int64: each row's episode (`collate` sets it; None in a batch made by hand: a row is an episode)."""
+    engine: Tensor | None = None
+    """[B] int64: the fleet member that sampled each row."""
+    turn_index: Tensor | None = None
+    """[B, T] int64: the assistant turn of each token (-1 at padding); None outside multi-turn episodes."""
+    token_version: Tensor | None = None
+    """[B, T] int64: the weight version of each token, where the engine records it."""
+    staleness: Tensor | None = None
+    """[B] int64: optimiser steps between each response's weights and the step training on it (`stamp_staleness`)."""
+    token_staleness: Tensor | None = None
+    """[B, T] int64: the same per token, where `token_version` is recorded."""
+    reward: Tensor | None = None
+    """[B] float: each row's episode reward (set by the trainer once the rewards are in)."""
+
+    TAGS = ("episode", "engine", "turn_index", "token_version", "staleness", "token_staleness", "reward")
+    """The per-row and per-token tags above: moved with the batch (`to`)."""
 
     def __post_init__(self) -> None:
         if self.loss_mask is None:
@@ -72,8 +90,13 @@ class RolloutBatch:
             response_mask=move(self.response_mask), loss_mask=move(self.loss_mask), rollout_logp=move(self.rollout_logp),
             finish_reason=self.finish_reason, weight_version=self.weight_version, rollout_topk_ids=move(self.rollout_topk_ids),
             rollout_topk_logp=move(self.rollout_topk_logp), rollout_topk_valid=move(self.rollout_topk_valid),
-            extras={k: move(v) if isinstance(v, Tensor) else v for k, v in self.extras.items()},
+            **{tag: move(getattr(self, tag)) for tag in self.TAGS},
         )
+
+    @property
+    def stale_tokens(self) -> Tensor | None:
+        """Staleness per token where the engine stamps each token's version ([B, T]), else per response ([B])."""
+        return self.token_staleness if self.token_staleness is not None else self.staleness
 
     @property
     def response_lengths(self) -> Tensor:
@@ -111,20 +134,16 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
     for i, r in enumerate(rollouts):
         if r.loss_mask is not None:
             loss_mask[i, :r.loss_mask.numel()] = r.loss_mask
-    extras = {}
+    turns = versions = None
     if any(r.turn_index is not None for r in rollouts):  # [B, T]: the assistant turn of each token
         turns = torch.full((B, T), -1, dtype=torch.long)
         for i, r in enumerate(rollouts):
             if r.turn_index is not None:
                 turns[i, :r.turn_index.numel()] = r.turn_index
-        extras["turn_index"] = turns
-    extras["episode"] = row_episodes(rollouts)  # [B]: each row's episode (an agent's episode may be several rows)
-    extras["engine"] = torch.tensor([r.engine for r in rollouts], dtype=torch.long)  # [B]: its fleet member
     if all(r.token_versions is not None for r in rollouts):  # [B, T]: the weight version of each token
         versions = torch.zeros((B, T), dtype=torch.long)
         for i, r in enumerate(rollouts):
             versions[i, :r.token_versions.numel()] = r.token_versions
-        extras["token_version"] = versions
     return RolloutBatch(
         prompt_ids=[r.prompt_ids for r in rollouts],
         prompt_index=torch.tensor([r.prompt_index for r in rollouts], dtype=torch.long),
@@ -137,17 +156,20 @@ def collate(rollouts: Sequence[Rollout], *, pad_id: int = 0) -> RolloutBatch:
         rollout_topk_ids=topk_ids if has_topk else None,
         rollout_topk_logp=topk_logp if has_topk else None,
         rollout_topk_valid=topk_valid if has_topk else None,
-        extras=extras,
+        episode=row_episodes(rollouts),  # each row's episode (an agent's episode may be several rows)
+        engine=torch.tensor([r.engine for r in rollouts], dtype=torch.long),  # its fleet member
+        turn_index=turns,
+        token_version=versions,
     )
 
 
 def stamp_staleness(batch: RolloutBatch, step: int) -> RolloutBatch:
-    """`batch` with the staleness of what version `step` trains on: `extras["staleness"]` [B] per response (the
-    optimiser steps since its weights), and `extras["token_staleness"]` [B, T] per token where the engine stamps each
+    """`batch` with the staleness of what version `step` trains on: `staleness` [B] per response (the
+    optimiser steps since its weights), and `token_staleness` [B, T] per token where the engine stamps each
     token's version (an episode's later turns, an in-flight update, may be fresher)."""
-    batch.extras["staleness"] = (step - batch.weight_version).to(batch.response_ids.device)
-    if "token_version" in batch.extras:
-        batch.extras["token_staleness"] = step - batch.extras["token_version"]
+    batch.staleness = (step - batch.weight_version).to(batch.response_ids.device)
+    if batch.token_version is not None:
+        batch.token_staleness = step - batch.token_version
     return batch
 
 
@@ -176,19 +198,19 @@ def minibatches(groups: Tensor, mini_batches: int, *, seed: int, step: int, epoc
 
 
 def group_strata(batch: RolloutBatch, groups: Tensor) -> Tensor | None:
-    """[n_groups] on the CPU: each group's fleet member (`extras["engine"]` of its first row), the strata of
+    """[n_groups] on the CPU: each group's fleet member (`engine` of its first row), the strata of
     `minibatches`; None without a fleet, or with one member in the batch."""
-    if "engine" not in batch.extras:
+    if batch.engine is None:
         return None
     sizes = torch.bincount(groups)
-    member = batch.extras["engine"].cpu()[torch.cumsum(sizes, 0) - sizes].long()
+    member = batch.engine.cpu()[torch.cumsum(sizes, 0) - sizes].long()
     return member if member.unique().numel() > 1 else None
 
 
 def episode_groups(batch: RolloutBatch, group_size: int) -> Tensor:
-    """[B] int64 on the CPU: each row's group (its episode // G; `extras["episode"]`, set by `collate`; a batch
+    """[B] int64 on the CPU: each row's group (its episode // G; `episode`, set by `collate`; a batch
     without it has one row per episode)."""
-    episode = batch.extras.get("episode")
+    episode = batch.episode
     return (torch.arange(batch.response_ids.shape[0]) if episode is None else episode.cpu()) // group_size
 
 
@@ -202,8 +224,8 @@ def loss_inputs(batch: RolloutBatch, micro: Tensor, scores, old, *, topk_diverge
     if topk_divergence is not None:  # Top-K regions: the divergence against the anchor's top-K cells
         anchor_cells = old.topk_logp[micro] if old is not None else batch.rollout_topk_logp[micro]
         divergence = topk_divergence(scores.topk_logp, anchor_cells, batch.rollout_topk_valid[micro])
-    stale = batch.extras.get("token_staleness", batch.extras.get("staleness"))
-    turn = batch.extras.get("turn_index")
+    stale = batch.stale_tokens
+    turn = batch.turn_index
     return TokenInputs(divergence=divergence, old_logp=old.logp[micro] if old is not None else None,
                        staleness=stale[micro] if stale is not None else None,
                        turn_index=turn[micro] if turn is not None else None, n_turns=n_turns, batch_stats=batch_stats)

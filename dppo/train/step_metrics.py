@@ -78,14 +78,14 @@ class StepAccumulator:
         n = stats.pop("n_tokens")
         for key, value in stats.items():
             self._add(f"mismatch/{key}", value, n)
-        if "staleness" in batch.extras:  # (set by `step`; absent in a batch made by hand)
-            self._add_groups("mismatch/binary_tv_stale", binary_tv(logp, mu), mask, batch.extras["staleness"][rows],
+        if batch.staleness is not None:  # (set by `step`; absent in a batch made by hand)
+            self._add_groups("mismatch/binary_tv_stale", binary_tv(logp, mu), mask, batch.staleness[rows],
                              self.max_staleness + 1)
         splits = []  # per turn of an episode (generated tokens only), per fleet member: (name, group index, groups)
-        if self.max_turns and "turn_index" in batch.extras:
-            splits.append(("turn", batch.extras["turn_index"][rows], self.max_turns))
-        if self.engines and "engine" in batch.extras:
-            splits.append(("engine", batch.extras["engine"][rows], self.engines))
+        if self.max_turns and batch.turn_index is not None:
+            splits.append(("turn", batch.turn_index[rows], self.max_turns))
+        if self.engines and batch.engine is not None:
+            splits.append(("engine", batch.engine[rows], self.engines))
         per_token = metrics.token_mismatch(logp, mu, **given) if splits else {}  # (µ's top-K on every token)
         for by, index, groups in splits:
             for name in ("binary_tv", "topk_tv") if given["logp_cells"] is not None else ("binary_tv",):
@@ -97,9 +97,9 @@ class StepAccumulator:
 
     def add_turn_staleness(self, batch: RolloutBatch) -> None:
         """Per turn of an episode: the mean staleness of its generated tokens over the whole batch."""
-        if self.max_turns and "turn_index" in batch.extras and "token_staleness" in batch.extras:
-            self._add_groups("rollout/staleness_turn", batch.extras["token_staleness"].float(), batch.loss_mask,
-                             batch.extras["turn_index"], self.max_turns)
+        if self.max_turns and batch.turn_index is not None and batch.token_staleness is not None:
+            self._add_groups("rollout/staleness_turn", batch.token_staleness.float(), batch.loss_mask,
+                             batch.turn_index, self.max_turns)
 
     def add_grad_norm(self, grad_norm: Tensor, loss_finite: Tensor) -> None:
         self.grad_norms.append(grad_norm.float())
@@ -165,11 +165,11 @@ def step_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, reward_s
 
 
 def engine_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, engines: int) -> dict[str, Tensor]:
-    """Per fleet member j < engines (`extras["engine"]`): its share of the step's responses
+    """Per fleet member j < engines (`batch.engine`): its share of the step's responses
     (`rollout/frac_engine_{j}`), their mean reward, accuracy (`rewards`, `success`: [E] per episode, read per row
-    through `extras["episode"]`) and length."""
-    onehot = (batch.extras["engine"][:, None] == torch.arange(engines, device=rewards.device)).float()  # [B, M]
-    count, episode = onehot.sum(0), batch.extras["episode"]
+    through `batch.episode`) and length."""
+    onehot = (batch.engine[:, None] == torch.arange(engines, device=rewards.device)).float()  # [B, M]
+    count, episode = onehot.sum(0), batch.episode
     per_row = {"reward/mean": rewards[episode].float(), "reward/accuracy": success[episode].float(),
                "response/length_mean": batch.response_lengths.float()}
     out = {f"rollout/frac_engine_{j}": count[j] / onehot.shape[0] for j in range(engines)}
@@ -182,7 +182,7 @@ def engine_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, engine
 def staleness_metrics(batch: RolloutBatch, max_staleness: int) -> dict[str, Any]:
     """How many optimiser steps behind the trainer each trained response's weights were, from the versions the
     source recorded: mean, max, and the share per value 0..max_staleness (the source's bound)."""
-    st = batch.extras["staleness"].float()
+    st = batch.staleness.float()
     out = {"rollout/staleness_mean": st.mean(), "rollout/staleness_max": st.max()}
     for j in range(max_staleness + 1):
         out[f"rollout/staleness_frac_{j}"] = (st == j).float().mean()
@@ -223,22 +223,22 @@ def loss_diagnostics(stats: dict[str, Tensor], batch: RolloutBatch, micro: Tenso
     mask, rollout_logp = batch.loss_mask[micro], batch.rollout_logp[micro]  # generated tokens only
     keep = stats.pop("keep")
     stats["masked_mu_hist"] = metrics.masked_mu_histogram(keep, rollout_logp, mask)
-    if "staleness" in batch.extras:  # masked tokens per staleness
+    if batch.staleness is not None:  # masked tokens per staleness
         stats["masked_by_staleness"], stats["n_by_staleness"] = metrics.per_group_sums(
-            ~keep, mask, batch.extras["staleness"][micro], max_staleness + 1)
-    if "turn_index" in batch.extras:  # masked tokens per turn of an episode
+            ~keep, mask, batch.staleness[micro], max_staleness + 1)
+    if batch.turn_index is not None:  # masked tokens per turn of an episode
         stats["masked_by_turn"], stats["n_by_turn"] = metrics.per_group_sums(
-            ~keep, mask, batch.extras["turn_index"][micro], max_turns)
-    if engines and "engine" in batch.extras:  # masked tokens per fleet member
+            ~keep, mask, batch.turn_index[micro], max_turns)
+    if engines and batch.engine is not None:  # masked tokens per fleet member
         stats["masked_by_engine"], stats["n_by_engine"] = metrics.per_group_sums(
-            ~keep, mask, batch.extras["engine"][micro], engines)
+            ~keep, mask, batch.engine[micro], engines)
     if old_logp is not None:
         split = metrics.mismatch_split(logp.detach(), old_logp, rollout_logp, mask, keep)
         split.pop("n_tokens")  # (the loss's own count)
         stats.update(split)
     if adv is not None:
-        stale = batch.extras.get("token_staleness", batch.extras.get("staleness"))
-        reward = batch.extras.get("reward")
+        stale = batch.stale_tokens
+        reward = batch.reward
         stats["ledger"] = micro_terms(keep, logp, rollout_logp, adv, mask, old_logp=old_logp,
                                       staleness=None if stale is None else stale[micro],
                                       rewards=None if reward is None else reward[micro])
@@ -250,10 +250,10 @@ def samples(completions: list[str], rewards: Tensor, batch: RolloutBatch, exampl
     episode: `rewards` come per episode; for a multi-turn episode also its `episode` record, `_episode_record`)."""
     n = min(n, len(completions))
     idx = batch.prompt_index.tolist()
-    rewards = rewards[batch.extras["episode"].to(rewards.device)] if "episode" in batch.extras else rewards  # per row
+    rewards = rewards[batch.episode.to(rewards.device)] if batch.episode is not None else rewards  # per row
     rows = [{"prompt": _prompt_text(examples[idx[i]].prompt), "completion": completions[i],
              "answer": examples[idx[i]].answer, "reward": float(rewards[i])} for i in range(n)]
-    if "turn_index" in batch.extras:
+    if batch.turn_index is not None:
         for i, row in enumerate(rows):
             row["episode"] = _episode_record(batch, i)
     return rows
@@ -263,7 +263,7 @@ def _episode_record(batch: RolloutBatch, i: int) -> dict[str, Any]:
     """Per turn of episode `i`: its generated tokens and, when the engine recorded µ's top-K, how many of them carry
     µ's cells (equal to the generated tokens: µ's top-K is recorded on every generated token of every turn)."""
     generated = batch.loss_mask[i].bool()
-    turn = batch.extras["turn_index"][i][generated].cpu()
+    turn = batch.turn_index[i][generated].cpu()
     turns = int(turn.max()) + 1 if turn.numel() else 0
     record: dict[str, Any] = {"turns": turns, "generated_tokens_per_turn": torch.bincount(turn, minlength=turns).tolist()}
     if batch.rollout_topk_valid is not None:

@@ -168,8 +168,8 @@ class Trainer:
         if skip is not None:  # a broken reward (on any rank): no update from this batch
             return self._skip_step(skip, t_start)
         with timer.time("reward"):  # after the agreement: under torchrun a collective (the global batch's rewards)
-            adv, adv_stats = self._advantages(rewards, batch.extras["episode"])  # per row, its episode's
-            batch.extras["reward"] = rewards[batch.extras["episode"]]  # per row (the ledger's surrogate)
+            adv, adv_stats = self._advantages(rewards, batch.episode)  # per row, its episode's
+            batch.reward = rewards[batch.episode]  # per row (the ledger's surrogate)
         with timer.time("recompute"):
             old = self._recompute(batch) if cfg.loss.anchor == "recompute" or cfg.loss.split_mismatch else None
         with timer.time("training"):

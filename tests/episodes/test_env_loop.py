@@ -435,7 +435,7 @@ def test_in_flight_updates_episodes_span_versions_and_each_token_names_its_own(t
         model, live = trainer.model, {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
         spans = 0
         for step, batch in trainer.batches:
-            versions, gen = batch.extras["token_version"].cpu(), batch.loss_mask.cpu()
+            versions, gen = batch.token_version.cpu(), batch.loss_mask.cpu()
             oldest = torch.where(gen, versions, torch.full_like(versions, 1 << 40)).amin(-1)
             assert torch.equal(oldest, batch.weight_version.cpu()) and int((step - oldest).max()) <= 1
             spans += int(sum(len(set(v[g].tolist())) > 1 for v, g in zip(versions, gen)))

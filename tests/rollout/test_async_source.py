@@ -89,7 +89,7 @@ def test_no_trained_response_is_staler_than_k_and_mu_is_its_versions_distributio
         for step, batch in trainer.batches:
             staleness = step - batch.weight_version
             assert int(staleness.min()) >= 0 and int(staleness.max()) <= k
-            assert torch.equal(batch.extras["staleness"].cpu(), staleness)
+            assert torch.equal(batch.staleness.cpu(), staleness)
             for version in batch.weight_version.unique().tolist():
                 seen.add(step - version)
                 rows = (batch.weight_version == version).nonzero().squeeze(1)
@@ -329,7 +329,7 @@ def test_an_in_flight_update_rebuilds_the_cache_and_each_token_names_its_weights
     params = SamplingParams(n=2, max_new_tokens=20, seed=3)
     rollouts = engine.generate(chat_prompts, params)
     batch = collate(rollouts, pad_id=engine.pad_id)
-    versions = batch.extras["token_version"]
+    versions = batch.token_version
     long = batch.response_lengths > 8
     assert calls and bool(long.any())
     assert (versions[:, :8][batch.response_mask[:, :8]] == 0).all()
@@ -375,7 +375,7 @@ def test_a_local_worker_loads_a_version_published_mid_response(tmp_path):
     result = core.run(Request(1, 0, examples, dataclasses.replace(params, max_new_tokens=20), episodes))
     assert result.error is None and result.version == 0 and result.load_s > 0
     batch = collate(result.rollouts, pad_id=core.engine.pad_id)
-    versions, mask = batch.extras["token_version"], batch.response_mask
+    versions, mask = batch.token_version, batch.response_mask
     assert bool((batch.response_lengths > 8).any())
     assert (versions[:, :8][mask[:, :8]] == 0).all() and (versions[:, 8:][mask[:, 8:]] == 1).all()
     model = build_model(cfg, None)[0].eval()
@@ -407,7 +407,7 @@ def test_trainer_with_in_flight_updates_records_every_tokens_version(tmp_path, e
             assert not any(k.startswith("server/") for k in steps[-1])
         model, live = trainer.model, {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
         for step, batch in trainer.batches:
-            versions = batch.extras["token_version"]
+            versions = batch.token_version
             assert int((step - batch.weight_version).max()) <= 1
             assert (versions[batch.response_mask] >= batch.weight_version[:, None].expand_as(versions)[batch.response_mask]).all()
             for version in versions[batch.response_mask].unique().tolist():

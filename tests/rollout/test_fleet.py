@@ -72,7 +72,7 @@ def test_each_members_mu_is_its_own_models_distribution(tiny_model, tokenizer):
                                                batch.response_mask, temperature=PARAMS.temperature).logp.float()
                for name in ("fp32", "bf16", "fp8")}
     for j, name in enumerate(("fp32", "bf16", "fp8")):
-        rows = batch.extras["engine"] == j
+        rows = batch.engine == j
         mask = batch.response_mask[rows]
         diff = {k: (batch.rollout_logp[rows] - v[rows])[mask].abs() for k, v in ref.items()}
         if name == "bf16":

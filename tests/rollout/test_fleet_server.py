@@ -37,7 +37,7 @@ def test_a_vllm_server_member_beside_an_hf_member(make_tiny_model, tokenizer, tm
     finally:
         fleet.close()
     assert batch.prompt_index.tolist() == [i for i in range(4) for _ in range(3)]
-    assert batch.extras["engine"].tolist() == [i % 2 for i in range(4) for _ in range(3)]
+    assert batch.engine.tolist() == [i % 2 for i in range(4) for _ in range(3)]
     with torch.no_grad():
         ref = score_responses_reference(new, batch.prompt_ids, batch.response_ids, batch.response_mask,
                                         temperature=0.8, topk_ids=batch.rollout_topk_ids)

@@ -137,7 +137,7 @@ def _far_batch(trainer):
     rewards = torch.rand(P * G, generator=gen)
     adv = rewards - rewards.view(P, G).mean(-1).repeat_interleave(G)
     # a version lag per token, read by the staleness-adaptive regions (the trainer's `step` sets it from the versions)
-    batch.extras["token_staleness"] = torch.randint(0, 5, batch.response_mask.shape, generator=gen)
+    batch.token_staleness = torch.randint(0, 5, batch.response_mask.shape, generator=gen)
     return batch, adv
 
 
@@ -160,7 +160,7 @@ def _reference(trainer, batch, adv, cell):
         fn = {"topk_tv": topk_tv, "topk_kl": topk_kl}[region.divergence]
         divergence = fn(scores.topk_logp, old.topk_logp if recompute else batch.rollout_topk_logp, batch.rollout_topk_valid)
     inputs = TokenInputs(divergence=divergence, old_logp=old.logp if recompute else None,
-                         staleness=batch.extras["token_staleness"])  # batch statistics: over this call, the whole batch
+                         staleness=batch.token_staleness)  # batch statistics: over this call, the whole batch
     loss, _ = LOSSES[cfg.loss.loss](scores.logp, batch.rollout_logp, adv, batch.response_mask, cfg.loss.spec(), inputs,
                                     max_response_len=cfg.rollout.max_new_tokens)
     loss.backward()
@@ -240,7 +240,7 @@ def _graded_batch(trainer):
     batch.rollout_logp = torch.where(batch.response_mask, (batch.rollout_logp + sign * size).clamp(max=-1e-3), 0.0)
     rewards = torch.rand(P * G, generator=gen)
     adv = rewards - rewards.view(P, G).mean(-1).repeat_interleave(G)
-    batch.extras["token_staleness"] = torch.zeros(B, T, dtype=torch.long)
+    batch.token_staleness = torch.zeros(B, T, dtype=torch.long)
     return batch, adv
 
 

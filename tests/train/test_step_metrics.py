@@ -21,11 +21,10 @@ def _batch(engine, staleness, turn):
     logp = -torch.rand(4, 3, generator=g) * 2
     mask = torch.ones(4, 3, dtype=torch.bool)
     mask[3, 2] = False
-    extras = {"engine": torch.tensor(engine), "staleness": torch.tensor(staleness),
-              "turn_index": torch.tensor(turn)[:, None].expand(4, 3).contiguous(),
-              "token_staleness": torch.tensor(staleness)[:, None].expand(4, 3).contiguous()}
     batch = SimpleNamespace(loss_mask=mask, rollout_logp=mu, rollout_topk_logp=None, rollout_topk_valid=None,
-                            extras=extras)
+                            engine=torch.tensor(engine), staleness=torch.tensor(staleness),
+                            turn_index=torch.tensor(turn)[:, None].expand(4, 3).contiguous(),
+                            token_staleness=torch.tensor(staleness)[:, None].expand(4, 3).contiguous())
     return batch, logp
 
 
@@ -37,7 +36,7 @@ def _tv(logp, mu, mask, rows):
 
 def _result(acc, batch, max_staleness):
     values = {k: float(v) for k, v in acc.result_means().items()}
-    values.update({f"rollout/staleness_frac_{j}": float((batch.extras["staleness"] == j).float().mean())
+    values.update({f"rollout/staleness_frac_{j}": float((batch.staleness == j).float().mean())
                    for j in range(max_staleness + 1)})
     return prune_unreached(values, max_staleness)
 
@@ -86,15 +85,15 @@ def test_every_mini_batch_with_room_holds_a_group_of_every_fleet_member(step):
     measured), and the mini-batches still partition the batch in whole groups."""
     groups = torch.arange(18) // 2
     engine = groups % 3
-    strata = group_strata(SimpleNamespace(extras={"engine": engine}), groups)
+    strata = group_strata(SimpleNamespace(engine=engine), groups)
     mbs = minibatches(groups, 3, seed=0, step=step, epoch=0, device=torch.device("cpu"), strata=strata)
     assert sorted(torch.cat(mbs).tolist()) == list(range(18)) and all(len(mb) == 6 for mb in mbs)
     assert all(set(groups[mb].tolist()) <= set(groups[mb][::2].tolist()) for mb in mbs)  # (whole groups)
     assert all(sorted(engine[mb][::2].tolist()) == [0, 1, 2] for mb in mbs)
     plain = minibatches(groups, 3, seed=0, step=step, epoch=0, device=torch.device("cpu"))
     assert sorted(torch.cat(plain).tolist()) == list(range(18))
-    assert group_strata(SimpleNamespace(extras={"engine": torch.zeros(18, dtype=torch.long)}), groups) is None
-    assert group_strata(SimpleNamespace(extras={}), groups) is None
+    assert group_strata(SimpleNamespace(engine=torch.zeros(18, dtype=torch.long)), groups) is None
+    assert group_strata(SimpleNamespace(engine=None), groups) is None
 
 
 def test_a_plain_shuffle_does_leave_a_member_out_of_the_first_mini_batch():
