@@ -40,6 +40,8 @@ class SingleSettings:
     scored_by_task: ClassVar[bool] = True
     torchrun_refusal: ClassVar[str] = ""
     noun: ClassVar[str] = "answer"
+    default_top_k: ClassVar[int] = 0
+    """K of µ's top-K the engine records when rollout.top_k_logprobs is unset and the trust region needs none."""
 
     @property
     def max_turns(self) -> int:
@@ -76,6 +78,7 @@ class EnvSettings:
     scored_by_task: ClassVar[bool] = False
     torchrun_refusal: ClassVar[str] = ""
     noun: ClassVar[str] = "environment"
+    default_top_k: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         _json_object("env.options", self.options)
@@ -141,6 +144,9 @@ class AgentSettings:
 
     scored_by_task: ClassVar[bool] = False
     noun: ClassVar[str] = "agent"
+    default_top_k: ClassVar[int] = 1
+    """µ's top-1: the `top_logprobs` OpenAI clients ask by default (SkyRL: 1; verifiers' TrainClient: `logprobs: 1`)
+    is answered; it costs one max over the vocabulary a token."""
     torchrun_refusal: ClassVar[str] = (
         "agent.name: agents under torchrun are not supported (their episodes' rows differ in number between ranks); "
         "run one process, with async rollout workers if needed")

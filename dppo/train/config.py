@@ -34,9 +34,6 @@ from dppo.train.moved_fields import check_moved
 from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk
 from dppo.run_files.logger import TRACKERS, check_tracker_installed
 
-AGENT_TOP_K = 1
-"""K recorded by default in agent episodes: the `top_logprobs` that OpenAI clients ask by default (SkyRL: 1)."""
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -120,8 +117,8 @@ class _RolloutSettings:
     """Maximum response length."""
     top_k_logprobs: int | None = None
     """K: record µ's top-K log-probs per token (0 = off). None = 20 when the trust region needs them (Top-K
-    TV/KL), else 1 for rollout.episodes agent (clients ask µ's top-1 by default: SkyRL, verifiers' TrainClient),
-    else 0."""
+    TV/KL), else the episode kind's default: 1 for rollout.episodes agent (clients ask µ's top-1 by default: SkyRL,
+    verifiers' TrainClient), 0 otherwise."""
     quantization: Literal["none", "fp8"] = "none"
     """fp8 = the engine samples from float8 e4m3 weights (one scale per output channel, quantised at every weight
     sync; dppo.rollout.quantize) and records that model's log-probs as µ: cheap inference and a mismatch that
@@ -563,13 +560,13 @@ class Config:
     @property
     def top_k_logprobs(self) -> int:
         """K of µ's top-K the engine records: rollout.top_k_logprobs, or when unset (None) DEFAULT_TOP_K (20) for a
-        trust region that needs them, AGENT_TOP_K (1) for agent episodes (their clients' default `top_logprobs: 1`
-        is answered; recording µ's top-1 costs one max over the vocabulary a token) and 0 otherwise."""
+        trust region that needs them, else the episode kind's `default_top_k` (1 for agent episodes: their clients'
+        default `top_logprobs: 1` is answered; 0 for the others)."""
         if self.rollout.top_k_logprobs is not None:
             return self.rollout.top_k_logprobs
         if needs_topk(self.loss.trust_region):
             return DEFAULT_TOP_K
-        return AGENT_TOP_K if self.rollout.episodes == "agent" else 0
+        return EPISODE_KINDS[self.rollout.episodes].default_top_k
 
     # -------- (de)serialisation --------
     def to_dict(self) -> dict[str, Any]:
