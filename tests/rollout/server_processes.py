@@ -1,21 +1,53 @@
-"""What the vLLM server fault tests share (`test_server_faults.py`, `test_server_recovery.py`): the tiny model's
-folder, a server started directly, and the processes of a server's group (zombies excluded)."""
+"""What the vLLM server fault tests share (`test_server_faults.py`, `test_server_recovery.py`,
+`test_server_engine.py`): the tiny model's folder, a server started directly, the processes of a server's group
+(zombies excluded), and the fake server (`fake_vllm`: dppo starts `fake_vllm_server.py` instead of vLLM, for the
+tests of dppo's own logic; `REAL`: the parameter of a test that runs on real vLLM too)."""
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from conftest import VLLM_MARKS
 
 from dppo.rollout.server.client import ServerClient
-from dppo.rollout.server.launch import ServerLaunch, ServerProcess
+from dppo.rollout.server.launch import SERVER_ENTRY_ENV, ServerLaunch, ServerProcess
 
 VLLM_TINY = dict(num_heads=2, num_kv_heads=1)
 KV_GB = 0.25
 GONE_WITHIN_S = 15.0
+FAKE_SERVER = str(Path(__file__).with_name("fake_vllm_server.py"))
+
+
+def real_vllm(test):
+    """Marks a test that runs on real vLLM (each start ~30 s on 2 cores): VLLM_MARKS and slow."""
+    for mark in (*VLLM_MARKS, pytest.mark.slow):
+        test = mark(test)
+    return test
+
+
+REAL = pytest.param("vllm", marks=[*VLLM_MARKS, pytest.mark.slow])
+"""`@pytest.mark.parametrize("server", ["fake", REAL], indirect=True)`: a test on the fake server and on real vLLM
+(slow)."""
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """dppo starts the fake vLLM server (`fake_vllm_server.py`, healthy in seconds) instead of vLLM's: the servers
+    started in the test, restarts included, and those of the processes it starts (the environment is inherited)."""
+    monkeypatch.setenv(SERVER_ENTRY_ENV, FAKE_SERVER)
+
+
+@pytest.fixture
+def server(request, monkeypatch):
+    """The kind of server a test parametrized over `server` ("fake" or "vllm") runs on."""
+    if request.param == "fake":
+        monkeypatch.setenv(SERVER_ENTRY_ENV, FAKE_SERVER)
+    return request.param
 
 
 @pytest.fixture(scope="module")

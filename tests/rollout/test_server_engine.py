@@ -4,7 +4,10 @@ against a plain fp32 forward, weight sync through vLLM's RL API and dppo's share
 the faults: refused before start (no model, port in use), a failed start naming its cause and log, a server that
 dies mid-step and a model that differs from the trainer's (the kill cases: test_server_faults.py).
 
-One server serves the module (a start costs ~40 s on 2 cores); tests that change its weights put them back.
+One server serves the module (a start costs ~40 s on 2 cores); tests that change its weights put them back. The
+tests of dppo's own logic that need servers of their own (a failed start, the trainer stopping at a dead server)
+run on the fake server (`fake_vllm_server.py`, healthy in seconds); the adapter-only sync stays on real vLLM (its
+LoRA loading is what it checks).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 import pytest
 import torch
 from conftest import VLLM_MARKS
+from server_processes import fake_vllm  # noqa: F401 (a fixture)
 
 from dppo.rollout import Engine, SamplingParams, make_engine
 from dppo.rollout.settings import Adapter, VLLMServerSettings
@@ -248,7 +252,7 @@ def test_failure_causes_are_read_from_the_log():
 
 
 @pytest.mark.slow
-def test_a_failed_start_names_the_server_its_log_and_cause(model_dir, tokenizer, tmp_path):
+def test_a_failed_start_names_the_server_its_log_and_cause(fake_vllm, model_dir, tokenizer, tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ServerError) as e:
         make_engine("vllm-server", model_dir, tokenizer, VLLMServerSettings(kv_cache_gb=1e-5, timeout_s=300),
@@ -261,7 +265,7 @@ def test_a_failed_start_names_the_server_its_log_and_cause(model_dir, tokenizer,
 
 def test_a_server_that_dies_mid_step_fails_the_step_naming_it(engine):
     """Last in the module: kills the module's server (not restarted: restarts are test_server_faults.py's)."""
-    engine.fleet.restarts = 0
+    engine.group.restarts = 0
     proc = engine.processes[0]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.proc.wait(30)
@@ -325,7 +329,7 @@ def test_adapter_only_sync_serves_each_version_without_a_merge(model_dir, tokeni
 
 
 @pytest.mark.slow
-def test_the_trainer_stops_naming_a_dead_server_and_resume_continues(tmp_path):
+def test_the_trainer_stops_naming_a_dead_server_and_resume_continues(fake_vllm, tmp_path):
     """With restarts 0, a server killed during training: the next step fails with an error naming the server and its
     log (no hang, no wrong batch); `resume` starts a new server and continues from the last checkpoint (step,
     weights, prompts)."""

@@ -5,7 +5,9 @@ core, or the process that started it (kill -9, or a crash that never reaches `cl
 server's group (API server, engine core, its worker, multiprocessing's resource tracker) is gone within seconds,
 with nobody calling `ServerProcess.stop`. (A run going on when a server dies: test_server_recovery.py.)
 
-Each test here starts a server of its own (a start costs ~30 s on 2 cores): slow.
+The kills of vLLM's own processes run on real vLLM (each test starts a server of its own, ~30 s on 2 cores: slow);
+`stop` and the death of the owner are dppo's logic and run on the fake server (`fake_vllm_server.py`: an API
+process, an "engine core" and its "worker", each with dppo's watchdog, like a vLLM server with dppo's plugin).
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import sys
 import textwrap
 
 import pytest
-from conftest import VLLM_MARKS
-from server_processes import engine_core, group, model_dir, start, wait_gone  # noqa: F401 (model_dir: a fixture)
+from server_processes import (engine_core, fake_vllm, group, model_dir, real_vllm, start,  # noqa: F401 (fixtures)
+                              wait_gone)
 
-pytestmark = [*VLLM_MARKS, pytest.mark.slow]
+pytestmark = pytest.mark.slow  # (each test starts a server: seconds on the fake, ~30 s on vLLM)
 
 
 @pytest.mark.parametrize("victim", ["api-server", "engine-core"])
+@real_vllm
 def test_a_killed_server_process_takes_its_whole_group_with_it(model_dir, tmp_path, victim):
     """SIGKILL of the server's API process alone, or of its engine core alone, while its owner (this process) lives
     on and calls nothing: every process of the server is gone within seconds (before the fix, the engine core, its
@@ -38,9 +41,9 @@ def test_a_killed_server_process_takes_its_whole_group_with_it(model_dir, tmp_pa
         proc.stop()
 
 
-def test_stop_kills_what_is_left_of_a_server_whose_api_process_died(model_dir, tmp_path):
+def test_stop_kills_what_is_left_of_a_server_whose_api_process_died(fake_vllm, model_dir, tmp_path):
     """`ServerProcess.stop` after the API process has exited still kills the rest of its group (it used to return
-    as soon as the process it started had exited)."""
+    as soon as the process it started had exited). On the fake server."""
     proc = start(model_dir, tmp_path)
     core = engine_core(proc.pid)
     core.suspend()  # (its watchdog cannot act: only stop() can end it)
@@ -64,9 +67,9 @@ _OWNER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("death", ["sigkill", "crash"])
-def test_no_server_outlives_its_owner(model_dir, tmp_path, death):
+def test_no_server_outlives_its_owner(fake_vllm, model_dir, tmp_path, death):
     """The process that started the server dies — by SIGKILL, or by an exception that never closes the engine:
-    the server's whole group is gone within seconds."""
+    the server's whole group is gone within seconds. On the fake server (the owner inherits DPPO_SERVER_ENTRY)."""
     owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(model_dir), str(tmp_path), death],
                              stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
     try:

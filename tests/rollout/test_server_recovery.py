@@ -3,7 +3,9 @@ killed mid-call is restarted with the current weights and the call completes; an
 left out until it answers again; the trainer, with one server or two, finishes every step after a SIGKILL mid-step.
 (With rollout.vllm_server.restarts 0 the step fails naming the server: test_server_engine.py.)
 
-Each test starts servers of its own (a start costs ~30 s on 2 cores): slow.
+This is dppo's logic: the tests run on the fake server (`fake_vllm_server.py`, the routes dppo uses over the tiny
+model in fp32, healthy in seconds); the restart of a server killed mid-call runs on real vLLM too (a start costs
+~30 s on 2 cores: slow).
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import threading
 import time
 
 import pytest
-from conftest import VLLM_MARKS
-from server_processes import KV_GB, VLLM_TINY, model_dir, picked, start, wait_gone  # noqa: F401 (a fixture)
+from server_processes import (REAL, KV_GB, VLLM_TINY, fake_vllm, model_dir, picked, server,  # noqa: F401 (fixtures)
+                              start, wait_gone)
 
 from dppo.rollout import SamplingParams, make_engine
 from dppo.rollout.server.launch import ServerLaunch
 from dppo.rollout.settings import VLLMServerSettings
 
-pytestmark = [*VLLM_MARKS, pytest.mark.slow]
+pytestmark = pytest.mark.slow  # (each test starts servers and waits for restarts: seconds on the fake)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37]]
 
@@ -49,8 +51,9 @@ def events(log_dir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.parametrize("server", ["fake", REAL], indirect=True)
 def test_a_server_killed_mid_call_is_restarted_with_the_current_weights_and_the_call_completes(
-        model_dir, tokenizer, make_tiny_model, tmp_path):
+        server, model_dir, tokenizer, make_tiny_model, tmp_path):
     """One server, weights synced once, SIGKILLed while a generate call is out: the call returns every response, the
     server is restarted on a new port and given the synced weights before it takes requests (µ equals those
     weights' forward, not the model folder's), nothing of the old server is left, and each event is counted and
@@ -61,7 +64,7 @@ def test_a_server_killed_mid_call_is_restarted_with_the_current_weights_and_the_
     with make_engine("vllm-server", model_dir, tokenizer, VLLMServerSettings(kv_cache_gb=KV_GB, timeout_s=180),
                      log_dir=tmp_path) as eng:
         eng.load_weights(engine_state(trained))
-        member = eng.fleet.members[0]
+        member = eng.group.members[0]
         old_pid, old_url = member.process.pid, member.client.url
         kill_when_busy(member)
         rollouts = eng.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=48))
@@ -77,8 +80,8 @@ def test_a_server_killed_mid_call_is_restarted_with_the_current_weights_and_the_
         assert [e["event"] for e in events(tmp_path)] == ["failed", "restarting", "rejoined"]
 
 
-def test_an_attached_server_that_dies_is_left_out_until_it_answers_again(model_dir, tokenizer, make_tiny_model,
-                                                                          tmp_path):
+def test_an_attached_server_that_dies_is_left_out_until_it_answers_again(fake_vllm, model_dir, tokenizer,
+                                                                          make_tiny_model, tmp_path):
     """Two attached servers; one is stopped: calls go to the other, and it is asked for /health until a server
     answers at its URL again, which then rejoins with the synced weights."""
     from dppo.train.weights import engine_state
@@ -102,7 +105,7 @@ def test_an_attached_server_that_dies_is_left_out_until_it_answers_again(model_d
             while eng.metrics()["server/up"] < 2 and time.monotonic() < deadline:
                 time.sleep(0.5)
             assert eng.metrics()["server/up"] == 2 and eng.metrics()["server/rejoins"] == 1
-            back = eng.fleet.members[0].client
+            back = eng.group.members[0].client
             for _ in range(3):  # the least loaded first: the rejoined server takes calls, with the synced weights
                 (r,) = eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8))
                 assert (picked(trained, r) - r.rollout_logp).abs().max() <= 1e-4
@@ -131,11 +134,11 @@ def _trainer_run(tmp_path, servers: int) -> tuple[int, list[dict]]:
     try:
         while trainer.step_idx < 4:
             if trainer.step_idx == 1:
-                victim = trainer.engine.fleet.members[0]
+                victim = trainer.engine.group.members[0]
                 killed, killer = victim.process.pid, kill_when_busy(victim)
             if trainer.step_idx == 3:  # (two servers: the run went on without server-0; wait for it to rejoin)
                 deadline = time.monotonic() + 180
-                while len(trainer.engine.fleet.up()) < servers and time.monotonic() < deadline:
+                while len(trainer.engine.group.up()) < servers and time.monotonic() < deadline:
                     time.sleep(0.5)
             steps.append(trainer.step())
             if trainer.step_idx == 2:
@@ -147,7 +150,7 @@ def _trainer_run(tmp_path, servers: int) -> tuple[int, list[dict]]:
 
 
 @pytest.mark.parametrize("servers", [1, 2])
-def test_a_run_whose_server_is_killed_mid_step_finishes_every_step(tmp_path, servers):
+def test_a_run_whose_server_is_killed_mid_step_finishes_every_step(fake_vllm, tmp_path, servers):
     """The trainer, one server (restarted: the step waits for it) or two (the other takes the requests while it
     restarts): SIGKILL of server-0 during step 2's generation; every step finishes without --resume, with finite
     metrics; the failure, restart and rejoin are counted in the steps' metrics and written to events.jsonl, and

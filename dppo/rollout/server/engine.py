@@ -51,7 +51,7 @@ from dppo.rollout.base import EnginePrompt, FinishReason, Rollout, SamplingParam
 from dppo.rollout.model_folder import checked_items, checkpoint_shapes, eos_ids, model_folder, read_json
 from dppo.rollout.server.client import ServerClient, parse_choice
 from dppo.rollout.server.launch import ServerDown, ServerError, ServerLaunch, ServerProcess
-from dppo.rollout.server.members import Fleet, Member
+from dppo.rollout.server.members import ServerGroup, Member
 from dppo.rollout.settings import Adapter, VLLMServerSettings
 from dppo.runtime import models
 from dppo.trust_region import DEFAULT_TOP_K
@@ -135,7 +135,7 @@ class ServerEngine:
         self._closed = False
         logs = Path(log_dir) if log_dir else (None if settings.url_list else
                                               Path(tempfile.mkdtemp(prefix="dppo-server-logs-")))
-        self.fleet = Fleet([], self._join, restarts=settings.restarts, timeout_s=settings.timeout_s,
+        self.group = ServerGroup([], self._join, restarts=settings.restarts, timeout_s=settings.timeout_s,
                            events_path=logs / "events.jsonl" if logs else None)
         shm = Path("/dev/shm")
         base = Path(settings.weights_dir) if settings.weights_dir else (shm if shm.is_dir() and os.access(shm, os.W_OK)
@@ -161,7 +161,7 @@ class ServerEngine:
             self._shapes = checkpoint_shapes(self.path)
             self._tied = bool(self._config.get("tie_word_embeddings", False))
             if settings.url_list:
-                self.fleet.members += [Member(f"server {i}", ServerClient(
+                self.group.members += [Member(f"server {i}", ServerClient(
                     u, name=f"server {i} ({u})", timeout_s=settings.timeout_s, api_key=api_key))
                     for i, u in enumerate(settings.url_list)]
             else:
@@ -173,11 +173,11 @@ class ServerEngine:
                                           kv_cache_gb=settings.kv_cache_gb, seed=seed + i, device=device,
                                           max_model_len=max_model_len, extra_args=lora_args + settings.arg_list)
                     proc = ServerProcess(launch, name=f"server-{i}", log_dir=logs)
-                    self.fleet.members.append(Member(proc.name, ServerClient(
+                    self.group.members.append(Member(proc.name, ServerClient(
                         proc.url, name=f"{proc.name} ({proc.url}, log {proc.log})", timeout_s=settings.timeout_s), proc))
-                for m in self.fleet.members:
+                for m in self.group.members:
                     m.process.wait_healthy(settings.timeout_s, m.client.healthy)
-            self.max_context = min(self._attach(m.client, self._label) for m in self.fleet.members)
+            self.max_context = min(self._attach(m.client, self._label) for m in self.group.members)
         except BaseException:
             self.close()
             raise
@@ -209,12 +209,12 @@ class ServerEngine:
     @property
     def processes(self) -> list[ServerProcess]:
         """The server processes dppo started (the current one of each; a restart replaces it)."""
-        return [m.process for m in self.fleet.members if m.process is not None]
+        return [m.process for m in self.group.members if m.process is not None]
 
     @property
     def clients(self) -> list[ServerClient]:
         """Each server's client (the current one: a restart replaces it), up or not."""
-        return [m.client for m in self.fleet.members]
+        return [m.client for m in self.group.members]
 
     # --- the Engine protocol -------------------------------------------------------------------------------
 
@@ -271,7 +271,7 @@ class ServerEngine:
         if self._closed:
             raise ValueError("engine: closed")
         if not isinstance(weights, nn.Module) and any("lora_" in k for k in weights):
-            with self.fleet.sync:
+            with self.group.sync:
                 return self._load_adapter(weights)
         items = checked_items(weights, self._shapes, tied=self._tied, dtype=self.dtype)
         from safetensors.torch import save_file
@@ -283,7 +283,7 @@ class ServerEngine:
         os.replace(tmp, path)
         mode = self.partial if self._generating else "wait"
         self._aborting = self._aborting or mode == "abort"
-        with self.fleet.sync:  # a server rejoining now waits, then loads these weights
+        with self.group.sync:  # a server rejoining now waits, then loads these weights
             self._on_each(lambda c: self._update(c, path, mode, label))
             if self._weights is not None:
                 self._weights[0].unlink(missing_ok=True)
@@ -295,13 +295,13 @@ class ServerEngine:
         """A no-op: the servers cache prefixes themselves (reset at every weight sync)."""
 
     def metrics(self) -> dict[str, float]:
-        """The servers' faults so far (`dppo.rollout.server.members.Fleet.metrics`) and the servers up now."""
-        return self.fleet.metrics()
+        """The servers' faults so far (`dppo.rollout.server.members.ServerGroup.metrics`) and the servers up now."""
+        return self.group.metrics()
 
     def close(self) -> None:
         """Stop the servers this engine started (attached ones are left running) and remove its files."""
         self._closed = True
-        self.fleet.close()
+        self.group.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         shutil.rmtree(self._weights_dir, ignore_errors=True)
         if self._tmpdir is not None:
@@ -328,23 +328,23 @@ class ServerEngine:
         if adapter is not None:
             body["model"] = adapter
             self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
-        request.member = self.fleet.pick()
+        request.member = self.group.pick()
         request.client = client = request.member.client
         client.track(+1)  # counted now, so the next pick sees it before the request thread starts
         pending[self._pool.submit(self._post_generate, client, body, adapter)] = request
 
     def _retry(self, pending: dict[cf.Future, _Request], request: _Request, error: ServerDown,
                params: SamplingParams) -> None:
-        """A request whose server failed: the server is recovered in the background (`Fleet.fail`) and the request
+        """A request whose server failed: the server is recovered in the background (`ServerGroup.fail`) and the request
         sent again to a server that is up. Its slots keep the segments they already hold (each token with its own
         µ and version); what the dead server was sampling never reached dppo (the endpoint answers whole) and is
         sampled afresh under the current weights."""
-        self.fleet.fail(request.member, request.client, error)
+        self.group.fail(request.member, request.client, error)
         if request.adapter in self._adapter_users:
             self._adapter_users[request.adapter] -= 1
         if request.attempt >= MAX_ATTEMPTS:
             raise ServerError(f"a request failed on {request.attempt} servers in turn; the last: {error}") from error
-        self.fleet.retried()
+        self.group.retried()
         self._submit(pending, _Request(request.slots, request.token_ids, request.max_tokens,
                                        attempt=request.attempt + 1), params)
 
@@ -420,15 +420,15 @@ class ServerEngine:
         shutil.rmtree(self._weights_dir / f"adapter-{adapter.removeprefix('dppo-v')}", ignore_errors=True)
 
     def _on_each(self, call, *, missing_ok: bool = False) -> None:
-        """`call(client)` on every server that is up, at once; a server that fails is recovered (`Fleet.fail`: it
+        """`call(client)` on every server that is up, at once; a server that fails is recovered (`ServerGroup.fail`: it
         rejoins with the weights current then). missing_ok: a server's refusal is ignored too (a server that
         rejoined never loaded an older adapter)."""
-        futures = {self._pool.submit(call, m.client): (m, m.client) for m in self.fleet.up()}
+        futures = {self._pool.submit(call, m.client): (m, m.client) for m in self.group.up()}
         for future, (member, client) in futures.items():
             try:
                 future.result()
             except ServerDown as error:
-                self.fleet.fail(member, client, error)
+                self.group.fail(member, client, error)
             except ServerError:
                 if not missing_ok:
                     raise

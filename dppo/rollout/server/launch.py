@@ -35,6 +35,9 @@ from pathlib import Path
 from dppo.rollout.server.plugin import BACKEND
 
 LOG_TAIL_LINES = 15
+SERVER_ENTRY_ENV = "DPPO_SERVER_ENTRY"
+"""Test seam (like DPPO_FAULT_INJECT): a script run instead of ``-m dppo.rollout.server.serve``, with the same
+arguments (tests/rollout/fake_vllm_server.py: a fake vLLM server for the tests of dppo's own server logic)."""
 _CAUSES = (
     (("Address already in use", "Errno 98"), "the port is in use"),
     (("out of memory", "OutOfMemory", "Cannot allocate memory", "MemoryError", "std::bad_alloc"), "out of memory"),
@@ -114,9 +117,12 @@ class ServerLaunch:
     """More `vllm serve` flags (rollout.vllm_server.args, and the LoRA flags)."""
 
     def command(self, port: int) -> list[str]:
-        cmd = [sys.executable, "-m", "dppo.rollout.server.serve", "--parent", str(os.getpid()),
-               "--model", self.model, "--host", self.host, "--port", str(port), "--dtype", self.dtype,
-               "--seed", str(self.seed), "--max-logprobs", str(self.max_logprobs),
+        """The server's command line. Test seam: with `SERVER_ENTRY_ENV` (DPPO_SERVER_ENTRY) set, that script runs
+        instead of ``-m dppo.rollout.server.serve``, same arguments (restarts included)."""
+        entry = os.environ.get(SERVER_ENTRY_ENV)
+        cmd = [sys.executable, *([entry] if entry else ["-m", "dppo.rollout.server.serve"]),
+               "--parent", str(os.getpid()), "--model", self.model, "--host", self.host, "--port", str(port),
+               "--dtype", self.dtype, "--seed", str(self.seed), "--max-logprobs", str(self.max_logprobs),
                "--logprobs-mode", "processed_logprobs", "--tokens-only", "--skip-tokenizer-init",
                "--disable-log-stats", "--uvicorn-log-level", "warning"]
         if self.device == "cpu":

@@ -1,4 +1,4 @@
-"""The servers of one `vllm-server` engine as members that fail and come back (`Fleet`), so a run goes on when one
+"""The servers of one `vllm-server` engine as members that fail and come back (`ServerGroup`), so a run goes on when one
 dies (docs/engines.md, "Faults").
 
 A member is `up` (it takes requests and weight syncs), `down` (it failed: dppo is restarting it, or, for a server
@@ -55,7 +55,7 @@ class Member:
 
 
 @dataclass
-class Fleet:
+class ServerGroup:
     """The engine's members, their failures and returns (see the module docstring). join(member, client): attach
     `client` (a restarted or answering server) and load the current weights into it, called with `sync` held."""
 
