@@ -139,13 +139,13 @@ def parse_config(argv: list[str], *, prog: str, resume: bool = True) -> tuple[Co
         with contextlib.redirect_stderr(said):
             cfg = tyro.cli(Config, default=base, args=rest, prog=prog, description=_TOP)
     except SystemExit as exc:
-        sys.stderr.write(said.getvalue())  # tyro's box, as it printed it
         if exc.code:
             reason = parser_reason(said.getvalue())
             raise ConfigError(f"command line: could not parse {' '.join(rest)}{': ' + reason if reason else ''} "
                               f"(see `{prog} --help`)") from None
         raise
-    sys.stderr.write(said.getvalue())
+    finally:
+        sys.stderr.write(said.getvalue())  # what tyro printed (its box), as it printed it
     if ns.run_dir:
         cfg = replace(cfg, log={"run_dir": ns.run_dir})
     if getattr(ns, "resume", None):

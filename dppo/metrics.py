@@ -273,9 +273,6 @@ class WeightedMeans:
     def means(self) -> dict[str, Tensor]:
         return {k: self.sums[k] / self.weight(k).clamp(min=1e-12) for k in self.sums}
 
-    def __contains__(self, key: str) -> bool:
-        return key in self.sums
-
 
 def to_sums(stats: Mapping[str, Tensor], weights: Mapping[str, str] = WEIGHTS) -> dict[str, Tensor]:
     """Each mean of `stats` (a key of `weights`) times its weight; counts and maxima unchanged."""

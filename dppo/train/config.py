@@ -238,8 +238,9 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         _json_object("task.options", self.options)
+        options = self.options_dict
         for key in ("size", "eval_size", "seed"):  # one value in one place: the options' would silently lose
-            given = self.options_dict.get(key, getattr(self, key))
+            given = options.get(key, getattr(self, key))
             if given != getattr(self, key):
                 _fail("task.options", f"{key} {given!r} here and task.{key} {getattr(self, key)!r}: give it once, as "
                                       f"task.{key} (--task.{key.replace('_', '-')} {given})")

@@ -35,6 +35,7 @@ class StepAccumulator:
         self.nonfinite_losses = torch.zeros((), device=device)
         self.hist = torch.zeros(len(metrics.MU_BUCKETS) + 1, device=device)
         self.ledger = LedgerSums()  # the trust-region ledger (`dppo.train.step_ledger`)
+        self.mismatch_from_old = False  # (`begin`: the mismatch measured from π_old, every row)
 
     def _add(self, key: str, value: Tensor, weight: Tensor) -> None:
         self.means.add(key, value, weight)
@@ -91,15 +92,24 @@ class StepAccumulator:
             for name in ("binary_tv", "topk_tv") if given["logp_cells"] is not None else ("binary_tv",):
                 self._add_groups(f"mismatch/{name}_{by}", per_token[name], mask, index, groups)
 
-    def add_entropy(self, entropy: Tensor | None, mask: Tensor) -> None:
-        if entropy is not None:
-            self._add("policy/entropy", *metrics.token_mean(entropy, mask))
-
-    def add_turn_staleness(self, batch: RolloutBatch) -> None:
-        """Per turn of an episode: the mean staleness of its generated tokens over the whole batch."""
+    def begin(self, batch: RolloutBatch, old) -> "StepAccumulator":
+        """Before the step's updates: the mean staleness per turn of an episode over the whole batch and, given
+        `old` (π_old's scores of every row: loss.split_mismatch, the recompute anchor), the mismatch of every row."""
+        self.mismatch_from_old = old is not None
         if self.max_turns and batch.turn_index is not None and batch.token_staleness is not None:
             self._add_groups("rollout/staleness_turn", batch.token_staleness.float(), batch.loss_mask,
                              batch.turn_index, self.max_turns)
+        if old is not None:
+            self.add_mismatch(batch, torch.arange(old.logp.shape[0], device=old.logp.device), old.logp, old.topk_logp)
+        return self
+
+    def add_before_update(self, batch: RolloutBatch, micro: Tensor, scores) -> None:
+        """A micro-batch of the step's first mini-batch (π not yet updated): the policy's entropy and, unless `begin`
+        measured it from π_old, the mismatch."""
+        if scores.entropy is not None:
+            self._add("policy/entropy", *metrics.token_mean(scores.entropy, batch.loss_mask[micro]))
+        if not self.mismatch_from_old:
+            self.add_mismatch(batch, micro, scores.logp, scores.topk_logp)
 
     def add_grad_norm(self, grad_norm: Tensor, loss_finite: Tensor) -> None:
         self.grad_norms.append(grad_norm.float())

@@ -200,15 +200,13 @@ class Trainer:
         return Draw(examples, self._sampling_params(step), self.sampler.position)
 
     # ------------------------------------------------------------------ pieces of a step
-    def _sampling_params(self, step: int, *, n: int | None = None, temperature: float | None = None,
-                         top_k_logprobs: int | None = None) -> SamplingParams:
+    def _sampling_params(self, step: int, *, n: int | None = None, temperature: float | None = None) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(
             n=r.group_size if n is None else n,
             temperature=r.temperature if temperature is None else temperature,
-            max_new_tokens=r.max_new_tokens,
-            stop_token_ids=self.stop_ids,
-            top_k_logprobs=self.cfg.top_k_logprobs if top_k_logprobs is None else top_k_logprobs,
+            max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_ids,
+            top_k_logprobs=self.cfg.top_k_logprobs,  # (evaluation too: an agent's client sees the same top_logprobs)
             seed=self.cfg.train.seed * 100_003 + step + (self.dist.rank << 32),  # ranks sample differently
         )
 
@@ -243,15 +241,13 @@ class Trainer:
     def _update(self, batch: RolloutBatch, adv: Tensor, old, timer: StepTimer | None = None) -> dict[str, Any]:
         cfg = self.cfg
         timer = timer or StepTimer(cuda=self.device.type == "cuda")
-        acc = StepAccumulator(self.device, self.source.max_staleness, self.episodes.max_turns, len(cfg.rollout.fleet_members))
-        acc.add_turn_staleness(batch)
-        if old is not None:  # π_old of every row: the mismatch before any update, over the whole step
-            acc.add_mismatch(batch, torch.arange(batch.response_ids.shape[0], device=self.device), old.logp, old.topk_logp)
-        first = True
+        acc = StepAccumulator(self.device, self.source.max_staleness, self.episodes.max_turns,
+                              len(cfg.rollout.fleet_members)).begin(batch, old)  # (π_old: every row's mismatch)
+        first, groups = True, episode_groups(batch, cfg.rollout.group_size)
+        strata = group_strata(batch, groups)  # fleet members: the first mini-batch holds each
         for epoch in range(cfg.train.epochs):
-            groups = episode_groups(batch, cfg.rollout.group_size)
             for mb in minibatches(groups, cfg.train.mini_batches, seed=cfg.train.seed, step=self.step_idx, epoch=epoch,
-                                  device=self.device, strata=group_strata(batch, groups)):
+                                  device=self.device, strata=strata):
                 denom = self.dist.global_denominator(aggregation_denominator(batch.loss_mask[mb], cfg.loss.aggregation))
                 batch_stats = mini_batch_statistics(self.loss_spec, batch, mb, old, score=self._score, dist=self.dist,
                                                     micro_batch_size=cfg.train.micro_batch_size, device=self.device)
@@ -270,10 +266,8 @@ class Trainer:
                         loss_finite &= torch.isfinite(loss.detach())
                         mb_loss = mb_loss + loss.detach().float()
                         acc.add_loss(stats)
-                        if first:  # before any update of this step: the entropy, and without π_old the mismatch
-                            acc.add_entropy(scores.entropy, batch.loss_mask[micro])
-                            if old is None:
-                                acc.add_mismatch(batch, micro, scores.logp, scores.topk_logp)
+                        if first:  # before any update of this step: the entropy (without π_old the mismatch)
+                            acc.add_before_update(batch, micro, scores)
                 with timer.time("optimizer"):
                     grad_norm = self.optim.step(loss_finite, self.step_idx + 1)
                 fault_point("update", self.step_idx + 1)
@@ -286,12 +280,11 @@ class Trainer:
         """The loss of one micro-batch (a `dppo.losses.LOSSES` entry) and its metrics. `old` (π_old's scores) is the
         recompute anchor, or with anchor rollout only the reference of the mismatch split (loss.split_mismatch);
         `batch_stats`: the mini-batch's statistics the trust region reads (`mini_batch_statistics`)."""
-        mask, rollout_logp = batch.loss_mask[micro], batch.rollout_logp[micro]  # generated tokens only
         inputs = loss_inputs(batch, micro, scores, old if self.cfg.loss.anchor == "recompute" else None,
                              topk_divergence=self.topk_divergence, n_turns=self.episodes.max_turns,
                              batch_stats=batch_stats)
-        loss, stats = self.loss_fn(scores.logp, rollout_logp, adv[micro], mask, self.loss_spec, inputs,
-                                   max_response_len=self.episodes.max_tokens, denominator=denom)
+        loss, stats = self.loss_fn(scores.logp, batch.rollout_logp[micro], adv[micro], batch.loss_mask[micro],
+                                   self.loss_spec, inputs, max_response_len=self.episodes.max_tokens, denominator=denom)
         stats = loss_diagnostics(stats, batch, micro, scores.logp, None if old is None else old.logp[micro],
                                  max_staleness=self.source.max_staleness, max_turns=self.episodes.max_turns,
                                  engines=len(self.cfg.rollout.fleet_members), adv=adv[micro])
@@ -310,7 +303,6 @@ class Trainer:
         """Sampled pass@1 (pass@k and maj@k with several responses each) and mean reward on held-out examples."""
         examples = self.eval_examples if examples is None else examples
         temp = temperature or self.cfg.train.eval_temperature or self.cfg.rollout.temperature
-        # µ's top-K recorded as in training: an agent's client sees the same answers (top_logprobs) in both
         params = self._sampling_params(10_000_000 + self.step_idx, n=self.cfg.train.eval_samples_per_prompt,
                                        temperature=temp)
         return self.dist.evaluate(  # each rank evaluates its share of the examples

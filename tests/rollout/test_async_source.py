@@ -22,11 +22,13 @@ import pytest
 import torch
 
 from dppo.rollout.remote import WorkerError
+from dppo.rollout.server.launch import SERVER_ENTRY_ENV
 from dppo.rollout.settings import HFSettings
 from dppo.train.config import ConfigError, replace
 from dppo.train.scoring import score_responses_reference
 from dppo.train.trainer import Trainer
 from conftest import VLLM_MARKS, smoke_config
+from server_processes import FAKE_SERVER
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -389,12 +391,15 @@ def test_a_local_worker_loads_a_version_published_mid_response(tmp_path):
 
 
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm-server", marks=[*VLLM_MARKS, pytest.mark.slow])])
-def test_trainer_with_in_flight_updates_records_every_tokens_version(tmp_path, engine):
+def test_trainer_with_in_flight_updates_records_every_tokens_version(tmp_path, monkeypatch, engine):
     """In the trainer, whatever versions arrived mid-response (it depends on timing: with 48-token responses and one
     mini-batch about a third of the tokens after step 1 when the machine is quiet), each token's µ is that of the
     version it names and no response started staler than k. vllm-server: the worker's server takes each version
-    through vLLM's weight-update API mid-request (pause keep) and stamps every token with its version, and the
-    worker's server counters reach the step's metrics."""
+    through the weight-update API mid-request (pause keep) and stamps every token with its version, and the
+    worker's server counters reach the step's metrics. The server is the fake one (`fake_vllm_server.py`: dppo's
+    async worker and server engine are what is tested here); real vLLM's pause-keep stamping is
+    test_server_engine.py's `test_a_response_that_spans_an_update_records_each_tokens_version`."""
+    monkeypatch.setenv(SERVER_ENTRY_ENV, FAKE_SERVER)  # (inherited by the rollout worker's process)
     cfg = replace(_cfg(tmp_path, max_staleness=1, steps=4, in_flight_updates=True, max_new_tokens=48, engine=engine,
                        worker_timeout_s=300.0),  # a server's start included
                   train={"mini_batches": 1})

@@ -1,11 +1,13 @@
-"""A mixed fleet with a vLLM server (`dppo.rollout.fleet`): a float32 vllm-server member beside a float32 hf member on
-the tiny seeded model. Slow: the server's start costs ~40 s on 2 cores."""
+"""A mixed fleet with a server member (`dppo.rollout.fleet`): a float32 vllm-server member beside a float32 hf member on
+the tiny seeded model. The server is the fake one (`fake_vllm_server.py`, healthy in seconds): the fleet's logic is
+what is tested here; a real vLLM server's µ and top-K against a plain forward are test_server_engine.py's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import VLLM_MARKS
+from server_processes import fake_vllm  # noqa: F401 (a fixture)
 
 from dppo.rollout import SamplingParams, make_engine
 from dppo.rollout.fleet import FleetEngine
@@ -20,9 +22,9 @@ pytestmark = [*VLLM_MARKS, pytest.mark.slow]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35], [40, 41, 42]]
 
 
-def test_a_vllm_server_member_beside_an_hf_member(make_tiny_model, tokenizer, tmp_path):
+def test_a_vllm_server_member_beside_an_hf_member(fake_vllm, make_tiny_model, tokenizer, tmp_path):
     """Rollouts prompt-major, prompt i from member i mod 2, after one weight sync to both; each member's µ is the
-    new fp32 model's (1e-4: the server's kernels against a plain forward, as in test_server_engine)."""
+    new fp32 model's (1e-4, as in test_server_engine)."""
     model = make_tiny_model(seed=0, num_heads=2, num_kv_heads=1)  # head size 32, the smallest vLLM-CPU supports
     new = make_tiny_model(seed=5, num_heads=2, num_kv_heads=1)
     folder = save_model(model, tokenizer, tmp_path / "model")

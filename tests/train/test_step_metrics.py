@@ -50,7 +50,7 @@ def test_the_splits_cover_the_unsplit_tokens_and_a_part_without_tokens_is_absent
     acc = StepAccumulator(torch.device("cpu"), max_staleness=2, max_turns=3, engines=3)
     first = torch.tensor([0, 1, 2])
     acc.add_mismatch(batch, first, logp[first], None)
-    acc.add_turn_staleness(batch)
+    acc.begin(batch, None)
     out = _result(acc, batch, 2)
     for part in ("engine", "stale", "turn"):
         assert out[f"mismatch/binary_tv_{part}_0"] == pytest.approx(_tv(logp, mu, mask, [0, 1]))
@@ -70,7 +70,9 @@ def test_with_pi_old_every_row_of_the_step_is_measured():
     batch, logp = _batch(engine=[1, 0, 1, 0], staleness=[0, 1, 0, 1], turn=[0, 0, 0, 0])
     mask, mu = batch.loss_mask, batch.rollout_logp
     acc = StepAccumulator(torch.device("cpu"), max_staleness=1, max_turns=0, engines=2)
-    acc.add_mismatch(batch, torch.arange(4), logp, None)
+    acc.begin(batch, SimpleNamespace(logp=logp, topk_logp=None))
+    acc.add_before_update(batch, torch.tensor([0, 1]), SimpleNamespace(logp=logp[:2] + 1.0, topk_logp=None,
+                                                                       entropy=None))  # (π's: not the mismatch)
     out = _result(acc, batch, 1)
     assert out["mismatch/binary_tv_engine_1"] == pytest.approx(_tv(logp, mu, mask, [0, 2]))
     assert out["mismatch/binary_tv_engine_0"] == pytest.approx(_tv(logp, mu, mask, [1, 3]))
