@@ -4,9 +4,9 @@ its chat program, on verifiers' local subprocess runtime) and client (`EvalClien
 `--client train`) against dppo's recording proxy.
 
     1. dppo:      the demo preset as is (SmolLM2-135M-Instruct, DPPO-Binary-TV, chain_sum two one-digit terms);
-    2. verifiers: the demo preset with --task.name verifiers (the taskset, its held-out questions first, kept in
-                  order: the same 64 held-out and 136 training questions) --rollout.episodes agent
-                  --agent.name verifiers; the taskset's @vf.reward is the demo's reward on the last reply;
+    2. verifiers: the demo preset with --rollout.episodes verifiers --verifiers.taskset (the taskset, its held-out
+                  questions first, kept in order: --verifiers.shuffle false, the same 64 held-out and 136 training
+                  questions); the taskset's @vf.reward is the demo's reward on the last reply;
 
 same seed, same steps, evaluation before and after (held-out pass@1, 64 questions x 2 samples). Checks: the
 verifiers arm's pass@1 rises by MARGIN over its start and lands within TOLERANCE of the demo's. Prints a table, then
@@ -42,13 +42,12 @@ def arm_config(name: str, args, out: Path):
     task = {"seed": args.seed, **({"eval_size": args.eval_size} if args.eval_size else {})}
     sections = {}
     if name == "verifiers":
-        options = {"taskset": str(TASKSET), "config": {"seed": args.seed}, "shuffle": False, "client": args.client,
-                   **({"tokenizer": "smollm2-135m"} if args.client == "train" else {})}
-        task.update(name="verifiers", options=json.dumps(options))
         # 32 harness programs at a time, each episode up to 10 min: 128 evaluation episodes started at once on 2 cores
-        # (a Python process each) ran past the default 2 min and failed
-        sections = {"rollout": {"episodes": "agent"},
-                    "agent": {"name": "verifiers", "concurrency": args.concurrency, "timeout_s": 600.0}}
+        # (a Python process each) ran past the default 2 min and failed. The train client renders with the run's
+        # model's tokenizer.
+        sections = {"rollout": {"episodes": "verifiers"},
+                    "verifiers": {"taskset": str(TASKSET), "options": json.dumps({"seed": args.seed}), "shuffle": False,
+                                  "client": args.client, "concurrency": args.concurrency, "timeout_s": 600.0}}
     return replace(get_preset("demo"), train=train, task=task, **sections,
                    log={"tensorboard": False, "progress": False, "run_dir": str(out)})
 
@@ -64,7 +63,7 @@ def main() -> None:
     p.add_argument("--eval-samples", type=int, default=0, help="samples per held-out question (default: the demo's, 2)")
     p.add_argument("--seed", type=int, default=0, help="the task's and the trainer's seed (both arms)")
     p.add_argument("--client", default="eval", choices=("eval", "train"), help="verifiers' client")
-    p.add_argument("--concurrency", type=int, default=32, help="verifiers episodes at once (agent.concurrency)")
+    p.add_argument("--concurrency", type=int, default=32, help="verifiers episodes at once (verifiers.concurrency)")
     p.add_argument("--arms", default="dppo,verifiers", help="which arms, comma-separated")
     p.add_argument("--out", default=None, help="folder for the runs (default: a temp dir)")
     args = p.parse_args()

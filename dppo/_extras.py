@@ -10,8 +10,8 @@ from dppo._checks import config_fail
 EXTRAS: dict[str, tuple[str, ...]] = {
     # rollout.episodes agent: the recording proxy (FastAPI on uvicorn) and the clients agents get (httpx, openai)
     "agents": ("fastapi", "uvicorn", "httpx", "openai"),
-    # environments from the field: a verifiers v1 taskset (task.name verifiers), an MCP server's tools (env.name mcp),
-    # an OpenEnv environment (env.name openenv)
+    # environments from the field: a verifiers v1 taskset (rollout.episodes verifiers), an MCP server's tools
+    # (env.name mcp), an OpenEnv environment (env.name openenv)
     "verifiers": ("verifiers",),
     "mcp": ("mcp",),
     "openenv": ("openenv",),

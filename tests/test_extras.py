@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dppo import _extras
-from dppo.episodes.settings import AgentSettings
+from dppo.episodes.settings import AgentSettings, VerifiersSettings
 from dppo.train.config import Config, ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,8 +48,9 @@ def test_single_answer_episodes_do_not_need_the_agents_extra(monkeypatch):
 
 def test_a_verifiers_taskset_without_verifiers_installed_is_refused_naming_field_and_extra(monkeypatch):
     monkeypatch.setitem(_extras.EXTRAS, "verifiers", ("dppo_no_such_module_for_the_test",))
-    cfg = _agent_config()
-    with pytest.raises(ConfigError, match=r"^task\.name: a verifiers v1 taskset needs dppo_no_such_module_for_the_test "
-                                          r"\(not installed\): pip install 'dppo\[verifiers\]'$"):
-        dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, name="verifiers"),
-                            agent=AgentSettings(name="verifiers"))
+    cfg = Config()
+    with pytest.raises(ConfigError, match=r"^rollout\.episodes: 'verifiers' \(a verifiers v1 taskset\) needs "
+                                          r"dppo_no_such_module_for_the_test \(not installed\): pip install "
+                                          r"'dppo\[verifiers\]'$"):
+        dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, episodes="verifiers"),
+                            verifiers=VerifiersSettings(taskset="my_sums.py"))

@@ -6,12 +6,13 @@
         ...
         return 1.0 if ... else 0.0         # the episode's reward (or None after POSTing it to <base>/../reward)
 
-`async def solve(client, example)` gets an `openai.AsyncOpenAI` instead. `AgentEpisodes` are the run's episodes
-when `agent.name` is set (`dppo.episodes.settings.AgentSettings.episodes`): its collector opens P x G episodes on
-the proxy (`dppo.episodes.proxy`, started once per process, where the engine is), runs the agents on the proxy's
-event loop (`agent.concurrency` at a time; a sync agent in its own daemon thread), each bounded by
-`agent.timeout_s`, and serves their calls with the engine from the calling thread until all have ended. An agent
-that raises, hangs past its timeout or returns something other than a finite number ends its episode with reward
+`async def solve(client, example)` gets an `openai.AsyncOpenAI` instead. `AgentEpisodes` are the run's episodes of
+every kind played through the proxy: an agent (`dppo.episodes.settings.AgentSettings.episodes`) or a verifiers
+taskset (`VerifiersSettings.episodes`, its player `dppo.episodes.verifiers.Player`): its collector opens P x G
+episodes on the proxy (`dppo.episodes.proxy`, started once per process, where the engine is), runs the agents on
+the proxy's event loop (`concurrency` at a time; a sync agent in its own daemon thread), each bounded by
+`timeout_s`, and serves their calls with the engine from the calling thread until all have ended. An agent that
+raises, hangs past its timeout or returns something other than a finite number ends its episode with reward
 0, its error named in the samples file and counted (`episode/env_errors`, `episode/env_timeouts`); the run goes
 on. Its calls become rows (`dppo.episodes.agent_rows`).
 
@@ -29,7 +30,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from dppo.episodes.agent_service import service_agent
 from dppo.episodes.errors import describe_error
 from dppo.episodes.proxy import Proxy
 from dppo.episodes.results import episode_metrics
@@ -44,15 +44,10 @@ COUNTERS = ("turns", "tool_calls", "rows", "refused_calls")
 model's tool calls, rows, calls the proxy refused."""
 
 
-AGENTS = {"verifiers": "dppo.episodes.verifiers:agent"}
-"""Built-in agents by name: `verifiers` plays a verifiers v1 taskset's tasks (--task.name verifiers) with verifiers'
-own harness and client (`dppo.episodes.verifiers`)."""
-
-
 def load_agent(name: str):
-    """The agent function `name` (a built-in of AGENTS, 'module:function' or 'path/to/file.py:function'), checked to
-    take (client, example); ValueError naming it otherwise."""
-    fn, _ = load_object(AGENTS.get(name, name), kind="agent")
+    """The agent function `name` ('module:function' or 'path/to/file.py:function'), checked to take (client,
+    example); ValueError naming it otherwise."""
+    fn, _ = load_object(name, kind="agent")
     if not callable(fn):
         raise ValueError(f"agent {name!r}: not callable")
     try:
@@ -66,15 +61,20 @@ def load_agent(name: str):
 
 @dataclass(frozen=True)
 class AgentEpisodes:
-    """The run's agent episodes (`dppo.rollout.source.Episodes`, picklable: rollout workers receive them; the proxy
-    is started where they run): the `agent` settings."""
+    """The run's episodes through the proxy (`dppo.rollout.source.Episodes`, picklable: rollout workers receive them;
+    the proxy is started where they run): the proxy's settings and what plays each episode."""
 
     settings: Any
-    """The run config's `agent` section, `dppo.episodes.settings.AgentSettings` (which builds these episodes)."""
+    """The run config's section of its kind, a `dppo.episodes.settings.ProxySettings` (`AgentSettings`,
+    `VerifiersSettings`: which builds these episodes): the episodes' limits and the proxy's settings."""
+    player: Any
+    """What plays each episode (picklable): `agent()` -> the agent function `agent(client, example) -> reward`,
+    loaded where the episodes run; `label` (its name in the run's messages); `start_line(host)`. The `agent` section
+    plays its own; a verifiers taskset's is `dppo.episodes.verifiers.Player`."""
 
     @property
     def max_tokens(self) -> int:
-        """A row's response tokens (agent.max_tokens)."""
+        """A row's response tokens (max_tokens)."""
         return self.settings.max_tokens
 
     @property
@@ -83,19 +83,13 @@ class AgentEpisodes:
         return self.settings.max_turns
 
     def collector(self) -> "AgentCollector":
-        return AgentCollector(self.settings)
+        return AgentCollector(self.settings, self.player)
 
     def score(self, examples: Sequence, rollouts: list[Rollout]) -> None:
         """Nothing to do: each agent returned (or posted) its episode's reward."""
 
     def check(self, example) -> str | None:
-        s = self.settings
-        if s.url:
-            return (f"[dppo] agent service {s.url} (each episode posted to it) through the OpenAI-compatible proxy "
-                    f"on {s.host} (a base URL per episode)")
-        kind = "async" if inspect.iscoroutinefunction(load_agent(s.name)) else "sync"
-        return (f"[dppo] agent {s.name!r} ({kind}) through the OpenAI-compatible proxy on {s.host} "
-                f"(a base URL per episode); it runs with this process's rights")
+        return self.player.start_line(self.settings.host)
 
     def metrics(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
         return episode_metrics(rollouts, COUNTERS)
@@ -104,20 +98,20 @@ class AgentEpisodes:
 class AgentCollector:
     """`collect(engine, examples, params)`: params.n agent episodes per example (module docstring)."""
 
-    def __init__(self, settings) -> None:
-        self.settings, self.max_tokens = settings, settings.max_tokens
+    def __init__(self, settings, player) -> None:
+        self.settings, self.player, self.max_tokens = settings, player, settings.max_tokens
         self.proxy: Proxy | None = None
         self._fn = None
         self._clients = None
 
     def __getstate__(self):
-        return {"settings": self.settings}
+        return {"settings": self.settings, "player": self.player}
 
     def __setstate__(self, state) -> None:
-        self.__init__(state["settings"])
+        self.__init__(state["settings"], state["player"])
 
     def close(self) -> None:
-        closing = getattr(self._fn, "close", None)  # an agent's own clean-up (e.g. `verifiers`)
+        closing = getattr(self._fn, "close", None)  # an agent's own clean-up (e.g. a verifiers taskset's)
         if self.proxy is not None and self.proxy.loop is not None and inspect.iscoroutinefunction(closing):
             try:
                 asyncio.run_coroutine_threadsafe(closing(), self.proxy.loop).result(30)
@@ -142,8 +136,7 @@ class AgentCollector:
 
     def __call__(self, engine, examples: Sequence, params: SamplingParams) -> list[Rollout]:
         if self.proxy is None:
-            s = self.settings
-            self._fn = service_agent(s.url, retries=s.post_retries) if s.url else load_agent(s.name)
+            self._fn = self.player.agent()
             self.proxy = Proxy(self.settings)
             self.proxy.start()
         proxy = self.proxy
@@ -180,7 +173,7 @@ class AgentCollector:
         import openai
 
         s, fn, url = self.settings, self._fn, self.proxy.base_url(ep)
-        label = s.url or s.name
+        label = self.player.label
         common = {"base_url": url, "api_key": self.proxy.key, "max_retries": 0, "timeout": s.timeout_s}
         http_sync, http_async = self._http()  # (shared: a new client per episode costs ~30 ms of SSL set-up)
         try:
@@ -222,4 +215,4 @@ def _in_thread(fn, client, example) -> Future:
     return out
 
 
-__all__ = ["AGENTS", "AgentCollector", "AgentEpisodes", "COUNTERS", "load_agent"]
+__all__ = ["AgentCollector", "AgentEpisodes", "COUNTERS", "load_agent"]

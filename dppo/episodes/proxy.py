@@ -7,15 +7,15 @@
     proxy.serve(engine, params, active=..., finished=...)          # THIS thread runs the engine until agents finish
     proxy.close_episodes()
 
-The proxy takes the run's `agent` settings (`dppo.episodes.settings.AgentSettings`, a row's token budget
-among them) as they are, and the batch wait as an argument. Endpoints, under each episode's base URL
-`http://<host>:<port>/e/<key>/v1`: `POST chat/completions`, `POST completions`, `GET models`; the token route
+The proxy takes the run's proxy settings (`dppo.episodes.settings.ProxySettings`: the `agent` or `verifiers`
+section, a row's token budget among them) as they are, and the batch wait as an argument. Endpoints, under each
+episode's base URL `http://<host>:<port>/e/<key>/v1`: `POST chat/completions`, `POST completions`, `GET models`; the token route
 `POST /e/<key>/inference/v1/generate` (vLLM's: token ids in, ids and µ out, rows joined by id prefix as completions);
 the same three under one shared base URL `http://<host>:<port>/v1` (and `/inference/v1/generate`), the episode named
 by the `X-Session-ID` header (its key); and
 `POST /e/<key>/reward` (`{"reward": float}`) for an agent that reports its reward instead of returning it. An
-unknown or ended episode gets 404 / 410; a request over `agent.max_request_bytes` 413; more than
-`agent.max_concurrent_requests` requests in flight 429; a refused sampling parameter 400 with the OpenAI error shape
+unknown or ended episode gets 404 / 410; a request over `max_request_bytes` 413; more than
+`max_concurrent_requests` requests in flight 429; a refused sampling parameter 400 with the OpenAI error shape
 (`dppo.episodes.proxy_requests`). When the proxy binds to anything but the loopback interface, every request needs
 `Authorization: Bearer <the run's key>` (401 otherwise); on localhost the episode's random key in its URL is the
 credential.
@@ -70,7 +70,7 @@ class Proxy:
     """See the module docstring. State: the episodes of the current collection and the calls in flight."""
 
     def __init__(self, settings, *, batch_wait_s: float = 0.2) -> None:
-        """`settings`: the run's `dppo.episodes.settings.AgentSettings` (a row's response tokens: its max_tokens);
+        """`settings`: the run's `dppo.episodes.settings.ProxySettings` (a row's response tokens: its max_tokens);
         `batch_wait_s`: the longest wait for the other episodes' calls (`Batcher`)."""
         self.settings, self.max_tokens = settings, settings.max_tokens
         self.batcher = Batcher(batch_wait_s)
@@ -113,7 +113,7 @@ class Proxy:
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"agent proxy: could not listen on {self.settings.host}:{self.settings.port} "
-                                   "(port in use? set agent.port)")
+                                   f"(port in use? set {self.settings.section}.port)")
             time.sleep(0.01)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
 
@@ -231,14 +231,15 @@ class Proxy:
     async def _body(self, request) -> Any:
         cap = self.settings.max_request_bytes
         if int(request.headers.get("content-length") or 0) > cap:
-            raise RequestError(f"the request is larger than {cap} bytes (agent.max_request_bytes)", None,
-                               code="request_too_large", status=413)
+            raise RequestError(f"the request is larger than {cap} bytes ({self.settings.section}.max_request_bytes)",
+                               None, code="request_too_large", status=413)
         data = bytearray()
         async for chunk in request.stream():
             data += chunk
             if len(data) > cap:
-                raise RequestError(f"the request is larger than {cap} bytes (agent.max_request_bytes)", None,
-                                   code="request_too_large", status=413)
+                raise RequestError(f"the request is larger than {cap} bytes "
+                                   f"({self.settings.section}.max_request_bytes)", None, code="request_too_large",
+                                   status=413)
         try:
             return json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -277,8 +278,8 @@ class Proxy:
             req = check_request(body, endpoint, temperature=self.params.temperature,
                                 top_k=self.params.top_k_logprobs, stop_ids=stops)
         if ep.calls >= self.settings.max_calls:
-            raise RequestError(f"this episode made its {self.settings.max_calls} calls (agent.max_calls)", None,
-                               code="max_calls")
+            raise RequestError(f"this episode made its {self.settings.max_calls} calls "
+                               f"({self.settings.section}.max_calls)", None, code="max_calls")
         prompt = req.prompt
         if isinstance(prompt, str):
             prompt = codec.tokenizer.encode(prompt, add_special_tokens=False)
@@ -294,7 +295,7 @@ class Proxy:
         if max_new < 1:
             ep.truncated += 1
             raise RequestError(f"this episode's row holds {len(row.tokens.ids) + len(extra)} response tokens, its "
-                               f"budget is {self.max_tokens} (agent.max_tokens)", "messages",
+                               f"budget is {self.max_tokens} ({self.settings.section}.max_tokens)", "messages",
                                code="context_length_exceeded")
         row.busy = True
         context = row.tokens.context() + extra

@@ -7,8 +7,8 @@
 Built-in names (`TASKS`): chain_sum, basic_arithmetic, countdown, gsm_symbolic (reasoning-gym, see
 `dppo.tasks.rg`), addition (a tiny raw-text a+b task for a character-level model, `dppo.tasks.addition`),
 reverse (reverse a 16-20 digit string: >= 16-token answers for the same model, `dppo.tasks.reverse`),
-file (user data, `dppo.tasks.files`), verifiers (a verifiers v1 taskset's tasks, `dppo.tasks.verifiers`). Any
-reasoning-gym dataset is available as "rg:<name>", with its config options as keyword options. `make_task(..., reward=<name or import path>)` replaces the default
+file (user data, `dppo.tasks.files`). (A verifiers v1 taskset's tasks are supplied by its episode kind,
+`dppo.episodes.verifiers`.) Any reasoning-gym dataset is available as "rg:<name>", with its config options as keyword options. `make_task(..., reward=<name or import path>)` replaces the default
 reward (see `dppo.rewards.get_reward`).
 """
 
@@ -24,7 +24,6 @@ from dppo.tasks.base import Example, Prompt, RewardFn, Task, split_distinct
 from dppo.tasks.files import file_task
 from dppo.tasks.reverse import reverse
 from dppo.tasks.rg import basic_arithmetic, chain_sum, countdown, gsm_symbolic, reasoning_gym_task
-from dppo.tasks.verifiers import verifiers_task
 
 TASKS: dict[str, Callable[..., Task]] = {
     "chain_sum": chain_sum,
@@ -34,7 +33,6 @@ TASKS: dict[str, Callable[..., Task]] = {
     "addition": addition,
     "reverse": reverse,
     "file": file_task,
-    "verifiers": verifiers_task,
 }
 
 RG_PREFIX = "rg:"

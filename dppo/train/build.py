@@ -28,6 +28,22 @@ from dppo.train.scoring import ScoringModule, packed_layout_supported
 
 
 def build_task(cfg: Config):
+    """The run's task: the examples of its episode kind when the kind supplies them (a verifiers taskset's tasks,
+    `EpisodeKindSettings.task`), else the task section's task; split by task.size, task.eval_size and task.seed."""
+    t = cfg.task
+    try:
+        task = cfg.episode_settings.task(size=t.size, eval_size=t.eval_size, seed=t.seed) or _make_task(cfg)
+    except ValueError as exc:
+        raise ValueError(str(exc) if str(exc).startswith(f"{cfg.rollout.episodes}.") else f"task: {exc}") from exc
+    if not task.train:
+        raise ValueError(f"task: {t.name!r} produced no training examples")
+    if len(task.eval) > t.eval_size:  # a task that holds out its own rows (a file, a plug-in): the first eval_size
+        task = dataclasses.replace(task, eval=task.eval[:t.eval_size])  # 0 = no evaluation; the rest stay held out
+    return task
+
+
+def _make_task(cfg: Config):
+    """The task section's task (`dppo.tasks.make_task`)."""
     t = cfg.task
     options = dict(t.options_dict)
     accepted = _task_parameters(t.name)
@@ -37,15 +53,7 @@ def build_task(cfg: Config):
             options.setdefault(key, value)
     if t.reward:
         options["reward"] = t.reward
-    try:
-        task = make_task(t.name, **options)
-    except ValueError as exc:
-        raise ValueError(f"task: {exc}") from exc
-    if not task.train:
-        raise ValueError(f"task: {t.name!r} produced no training examples")
-    if len(task.eval) > t.eval_size:  # a task that holds out its own rows (a file, a plug-in): the first eval_size
-        task = dataclasses.replace(task, eval=task.eval[:t.eval_size])  # 0 = no evaluation; the rest stay held out
-    return task
+    return make_task(t.name, **options)
 
 
 def _task_parameters(name: str) -> set[str] | None:
@@ -128,21 +136,22 @@ def build_scorer(cfg: Config, model: nn.Module, dist) -> nn.Module:
 def build_episodes(cfg: Config, task=None):
     """The run's episodes (`dppo.rollout.source.Episodes`) of its kind (rollout.episodes): the kind's settings (the
     config section of its name; the single answer has none) with the run-time values every kind is given — the
-    longest answer (rollout.max_new_tokens) and, for a kind scored by the task, `task`'s reward runner (task None:
-    episodes that only collect)."""
+    longest answer (rollout.max_new_tokens), the run's model (model.name: a kind that tokenises on its own side
+    loads its tokenizer) and, for a kind scored by the task, `task`'s reward runner (task None: episodes that only
+    collect)."""
     settings = cfg.episode_settings
     if settings.torchrun_refusal and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(settings.torchrun_refusal)
     reward = build_reward_runner(cfg, task) if task is not None and settings.scored_by_task else None
-    return settings.episodes(max_new_tokens=cfg.rollout.max_new_tokens, reward=reward)
+    return settings.episodes(max_new_tokens=cfg.rollout.max_new_tokens, reward=reward, model=cfg.model.name)
 
 
 def check_environment(cfg: Config, examples) -> str | None:
     """Before any model loads: the environment exists, takes its options, and its reset() answers the first training
-    example with well-formed messages (ValueError naming env.name otherwise). Returns the environment's start-up line
-    (the python tool's sandbox layer), if it has one."""
+    example with well-formed messages (ValueError naming env.name otherwise; a field of the kind's section when the
+    error names one). Returns the environment's start-up line (the python tool's sandbox layer), if it has one."""
     try:
         return build_episodes(cfg).check(examples[0])
     except (TypeError, ValueError, KeyError) as err:
-        field = f"{cfg.rollout.episodes}.name"
-        raise ValueError(str(err) if str(err).startswith(field) else f"{field}: {err}") from err
+        section = f"{cfg.rollout.episodes}."
+        raise ValueError(str(err) if str(err).startswith(section) else f"{section}name: {err}") from err

@@ -21,16 +21,15 @@ import yaml
 
 from dppo._checks import ConfigError
 from dppo._checks import config_fail as _fail
-from dppo._extras import require_extra
 from dppo._checks import config_json_object as _json_object
 from dppo._checks import config_positive as _positive
 from dppo.advantages import ADVANTAGES
-from dppo.episodes.settings import EPISODE_KINDS, AgentSettings, EnvSettings
+from dppo.episodes.settings import EPISODE_KINDS, AgentSettings, EnvSettings, VerifiersSettings
 from dppo.loss_spec import LossSpec, loss_spec
 from dppo.rollout.fleet import FleetMember, parse_fleet
 from dppo.rollout.settings import ENGINES
 from dppo.train.kinds import check_engine, check_episodes, check_fleet
-from dppo.train.moved_fields import check_moved
+from dppo.train.moved_fields import check_moved, check_moved_values
 from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk
 from dppo.run_files.logger import TRACKERS, check_tracker_installed
 
@@ -106,7 +105,9 @@ class _RolloutSettings:
     episodes: EpisodeKind = "single"
     """What one rollout is: single = one answer per prompt, scored by the task's reward; env = multi-turn episodes
     with the environment of the `env` section (env.name); agent = an agent's episodes through dppo's recording proxy
-    (the `agent` section). The settings of a kind the run does not use are refused (docs/agents.md)."""
+    (the `agent` section); verifiers = a verifiers v1 taskset's tasks played by verifiers' harness and client through
+    the proxy (the `verifiers` section; its tasks are the run's examples). The settings of a kind the run does not
+    use are refused (docs/agents.md)."""
     prompts_per_step: int = 8
     """P: prompts sampled per training step."""
     group_size: int = 8
@@ -499,6 +500,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     env: EnvSettings = field(default_factory=EnvSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
+    verifiers: VerifiersSettings = field(default_factory=VerifiersSettings)
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -530,17 +532,8 @@ class Config:
         if self.rollout.mode == "async" and workers > self.rollout.prompts_per_step:
             _fail("rollout.devices", f"{workers} rollout workers but rollout.prompts_per_step = "
                                      f"{self.rollout.prompts_per_step}: every worker needs at least one prompt per step")
+        check_moved_values(lambda section, name: getattr(getattr(self, section), name), "config")
         check_episodes(self)
-        verifiers_agent = self.rollout.episodes == "agent" and self.agent.name == "verifiers"
-        if self.task.name == "verifiers" or verifiers_agent:
-            require_extra("verifiers", "task.name" if self.task.name == "verifiers" else "agent.name",
-                          "a verifiers v1 taskset")
-        if verifiers_agent and self.task.name != "verifiers":
-            _fail("agent.name", f"agent 'verifiers' plays the tasks of task.name verifiers, got task.name "
-                                f"{self.task.name!r}")
-        if self.task.name == "verifiers" and not verifiers_agent:
-            _fail("task.name", "a verifiers taskset is played by verifiers' harness and scored by its rewards: run it "
-                               "with rollout.episodes agent and agent.name verifiers")
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
             _fail("loss.anchor", "drpo has no mask to anchor")
         if self.rollout.vllm_server.lora_sync == "adapter" and self.rollout.fleet:
@@ -608,6 +601,7 @@ class Config:
 
 _SECTIONS = {
     "model": ModelConfig, "rollout": RolloutConfig, "task": TaskConfig, "env": EnvSettings, "agent": AgentSettings,
+    "verifiers": VerifiersSettings,
     "loss": LossConfig,
     "advantage": AdvantageConfig, "optim": OptimConfig, "train": TrainConfig, "log": LogConfig,
 }

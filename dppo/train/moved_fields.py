@@ -28,10 +28,36 @@ MOVED = {
 own node). Such a file is refused before any model loads, naming every moved field and its new place."""
 
 
+MOVED_VALUES = {
+    ("task", "name", "verifiers"):
+        "rollout.episodes verifiers with the taskset in verifiers.taskset (task.options' taskset, config, harness, "
+        "client and shuffle are verifiers.taskset, verifiers.options, verifiers.harness, verifiers.client and "
+        "verifiers.shuffle; its tokenizer is the run's model's; size, eval_size and seed stay in task)",
+    ("agent", "name", "verifiers"):
+        "rollout.episodes verifiers (agent.max_calls, max_tokens, timeout_s and concurrency are verifiers.*)",
+}
+"""Values of an older dppo that chose what is now another field (issue 61: a verifiers taskset, once a task and an
+agent named together, is the episode kind `verifiers` with its own section) -> the new spelling."""
+
+
+def moved_values(get) -> list[str]:
+    """"X v is now Y" for each `MOVED_VALUES` entry whose field holds its old value (`get(section, field)`)."""
+    return [f"{section}.{name} {value} is now {new}" for (section, name, value), new in MOVED_VALUES.items()
+            if get(section, name) == value]
+
+
+def check_moved_values(get, source: str) -> None:
+    """ConfigError naming the first field of `MOVED_VALUES` that holds its old value, with every new spelling."""
+    found = moved_values(get)
+    if found:
+        raise ConfigError(f"{found[0].split()[0]}: {source} spells what an older dppo did; " + "; ".join(found))
+
+
 def check_moved(data: dict[str, Any], source: str) -> None:
-    """ConfigError naming each field of `data` that moved (`MOVED`) and its new place."""
+    """ConfigError naming each field of `data` that moved (`MOVED`, `MOVED_VALUES`) and its new place."""
     found = [f"{old} is now {new}" for old, new in MOVED.items()
              if old.split(".")[1] in (data.get(old.split(".")[0]) or {})]
+    found += moved_values(lambda section, name: (data.get(section) or {}).get(name))
     rollout = data.get("rollout") or {}
     for kind in ("env", "agent"):  # the episode kind was which of the two sections named something
         if "episodes" not in rollout and (data.get(kind) or {}).get("name"):
@@ -53,5 +79,17 @@ def check_moved_flags(args: list[str]) -> None:
         if flag in flags:
             field, _, rest = flags[flag].partition(" ")  # "rollout.vllm_server.urls", "(engine vllm) or ..."
             found.append(f"{flag} is now --{field.replace('_', '-')}" + (f" {rest}" if rest else ""))
+    given = {(section, name): _flag_value(args, f"--{section}.{name}") for section, name, _ in MOVED_VALUES}
+    found += [f"--{moved.replace(' is now ', ' is now --', 1)}" for moved in moved_values(lambda *key: given[key])]
     if found:
         raise ConfigError(f"{found[0].split()[0]}: a flag of an older dppo; " + "; ".join(found))
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The last value of `flag` in `args` (`--flag value` or `--flag=value`), None when absent."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value

@@ -8,11 +8,13 @@ everything after it (the engine spec, the rollout checks, the workers) reads the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
+from dppo.episodes.settings import EPISODE_KINDS
 from dppo.rollout.fleet import fleet_line
 from dppo.runtime import hardware
 from dppo.runtime.hardware import describe
@@ -45,34 +47,30 @@ def resolve_precision(cfg: Config) -> tuple:
     return hardware.resolve_precision(cfg.model.precision, resolve_device(cfg.model.device), cfg.model.dtype)
 
 
-TASK_PATHS = {"file": ("path", "eval_path"), "verifiers": ("taskset",)}
-"""Per task, its options that name a file it reads (a verifiers `taskset` only in its path form: `_is_path`)."""
-
-
-def _is_path(task: str, value: str) -> bool:
-    """Whether option value `value` of task `task` names a local file (a verifiers taskset may be an id)."""
-    return task != "verifiers" or "/" in value or value.endswith(".py")
+TASK_PATHS = {"file": ("path", "eval_path")}
+"""Per task, its options that name a file it reads (an episode kind's files: its settings' `absolute_paths`)."""
 
 
 def absolute_paths(cfg: Config, base: Path) -> Config:
     """`cfg` with every file the run reads made absolute against `base` (the directory the run starts in): a local
-    model folder, the `file` task's data files, a verifiers taskset file or folder, and plug-in files (`path/to/file.py:name` as task, reward or
-    environment). A run directory's config.yaml then works from any directory (`--resume`, `dppo eval --run-dir`,
-    `dppo export`); a moved file is an error naming its absolute path. Registry names, `package.module:name` specs
-    and paths already absolute are left as they are (idempotent)."""
+    model folder, the `file` task's data files, plug-in files (`path/to/file.py:name` as task or reward) and the
+    files each episode kind's settings name (`absolute_paths` of its class: an environment or agent file, a verifiers
+    taskset file or folder). A run directory's config.yaml then works from any directory (`--resume`, `dppo eval
+    --run-dir`, `dppo export`); a moved file is an error naming its absolute path. Registry names,
+    `package.module:name` specs and paths already absolute are left as they are (idempotent)."""
     t = cfg.task
     task: dict = {"name": absolute_spec(t.name, base), "reward": absolute_spec(t.reward, base)}
     if t.name in TASK_PATHS:
         options = t.options_dict
-        given = {k: options[k] for k in TASK_PATHS[t.name] if isinstance(options.get(k), str) and _is_path(t.name, options[k])}
+        given = {k: options[k] for k in TASK_PATHS[t.name] if isinstance(options.get(k), str)}
         if any(not Path(v).expanduser().is_absolute() for v in given.values()):
             task["options"] = json.dumps({**options, **{k: str((base / Path(v).expanduser()).resolve())
                                                          for k, v in given.items()}})
     model = cfg.model.name
     if model not in BUILTIN_MODELS and not Path(model).expanduser().is_absolute() and (base / model).exists():
         model = str((base / model).resolve())
-    return replace(cfg, model={"name": model}, task=task, env={"name": absolute_spec(cfg.env.name, base)},
-                   agent={"name": absolute_spec(cfg.agent.name, base)})
+    kinds = {kind: getattr(cfg, kind).absolute_paths(base) for kind in EPISODE_KINDS if hasattr(cfg, kind)}
+    return dataclasses.replace(replace(cfg, model={"name": model}, task=task), **kinds)
 
 
 def resolve_config(cfg: Config) -> Config:
@@ -118,5 +116,5 @@ def resolution_notes(requested: Config) -> list[str]:
     settings = requested.episode_settings
     if settings.scored_by_task or not requested.task.reward:
         return []
-    return [f"[dppo] task.reward {requested.task.reward!r} is not used: {settings.noun} {settings.name or getattr(settings, 'url', '')!r} scores "
+    return [f"[dppo] task.reward {requested.task.reward!r} is not used: {settings.noun} {settings.label!r} scores "
             f"each episode (config.yaml records reward '')"]

@@ -410,7 +410,7 @@ def test_bad_agent_settings_fail_before_any_model_loads(tmp_path, monkeypatch):
             ({"name": f"{AGENTS}:missing"}, {}, "^agent.name: agent .* has no attribute 'missing'"),
             ({"name": "no_such_module_x:solve"}, {}, "^agent.name: agent .* cannot import module"),
             ({"name": f"{AGENTS}:_question"}, {}, "^agent.name: .* must take \\(client, example\\)"),
-            ({"name": "nocolon"}, {}, "^agent.name: expected a built-in agent"),
+            ({"name": "nocolon"}, {}, "^agent.name: expected 'module:function'"),
             ({"name": f"{AGENTS}:two_calls"}, {"env": {"name": "feedback"}},
              "^env.name: a setting of the env episodes, but the run's episodes are 'agent' \\(rollout.episodes\\)"),
             ({"name": ""}, {}, "^agent.name: rollout.episodes agent needs an agent"),

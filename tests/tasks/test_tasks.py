@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import re
 
-from pathlib import Path
-
 import pytest
 
 from dppo.rewards import REWARDS
@@ -24,9 +22,7 @@ SMALL = {
     "reverse": dict(size=50, eval_size=20),
     "rg:gcd": dict(size=20, eval_size=5),
     "rg:word_sorting": dict(size=10, eval_size=3),
-    "verifiers": dict(taskset=str(Path(__file__).resolve().parents[1] / "data" / "verifiers" / "dppo_vf_sum.py"),
-                      size=20, eval_size=5),  # (its episodes and rewards: tests/episodes/test_verifiers.py)
-}
+}  # (a verifiers taskset's tasks are its episode kind's: tests/episodes/test_verifiers.py)
 
 
 def question(example: Example) -> str:
@@ -73,7 +69,7 @@ def test_eval_set_does_not_depend_on_train_size():
     assert [ex.uid for ex in small.eval] == [ex.uid for ex in large.eval]
 
 
-@pytest.mark.parametrize("name", [n for n in SMALL if n not in ("addition", "reverse", "verifiers")])
+@pytest.mark.parametrize("name", [n for n in SMALL if n not in ("addition", "reverse")])
 def test_reasoning_gym_scorer_accepts_gold_answers(built, name):
     task = built[name]
     assert task.reward is REWARDS["reasoning_gym"]

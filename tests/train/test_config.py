@@ -161,23 +161,6 @@ def test_an_engine_that_records_no_top_k_is_refused_for_a_top_k_trust_region(tmp
         smoke_config(tmp_path, rollout={"engine": "hf"}, loss={"trust_region": "dppo_topk_tv"})
 
 
-def test_a_relative_verifiers_taskset_is_recorded_absolute_and_a_taskset_id_is_kept(tmp_path):
-    """config.yaml keeps every file the run reads absolute: a verifiers taskset given as a relative file (or folder)
-    is resolved against the starting directory, so `--resume` and `dppo eval --run-dir` work from elsewhere; an id
-    (no '/' and no '.py') is left for verifiers to import."""
-    import json
-
-    from dppo.train.resolve import absolute_paths
-
-    pytest.importorskip("verifiers")
-    for given, want in (("my_sums.py", str(tmp_path / "my_sums.py")), ("sets/sums", str(tmp_path / "sets" / "sums")),
-                        ("gsm8k", "gsm8k"), ("/abs/x.py", "/abs/x.py")):
-        cfg = smoke_config(tmp_path, rollout={"episodes": "agent"}, agent={"name": "verifiers"},
-                           task={"name": "verifiers", "options": json.dumps({"taskset": given, "client": "eval"})})
-        options = json.loads(absolute_paths(cfg, tmp_path).task.options)
-        assert options == {"taskset": want, "client": "eval"}, given
-
-
 @pytest.mark.parametrize("key, option", [("eval_size", 20), ("size", 50), ("seed", 3)])
 def test_a_task_option_that_differs_from_the_task_sections_field_is_refused_naming_both(tmp_path, key, option):
     """`{"eval_size": 20}` in task.options beside the preset's task.eval_size 16 silently gave 16: now refused, naming
@@ -199,9 +182,9 @@ def test_a_flag_of_an_older_dppo_is_refused_naming_its_new_flag_and_a_refusals_r
                                           r"--model\.precision \(true: bf16, false: fp32\)$"):
         parse_config(["--preset", "smoke", "--rollout.server-urls=http://127.0.0.1:1", "--model.autocast-bf16"],
                      prog="dppo train")
-    with pytest.raises(ConfigError, match=r"could not parse --agent\.name verifiers: agent\.name: a setting of the "
+    with pytest.raises(ConfigError, match=r"could not parse --agent\.name a\.py:f: agent\.name: a setting of the "
                                           r"agent episodes, but the run's episodes are 'single' \(rollout\.episodes\)"):
-        parse_config(["--preset", "smoke", "--agent.name", "verifiers"], prog="dppo train")
+        parse_config(["--preset", "smoke", "--agent.name", "a.py:f"], prog="dppo train")
     with pytest.raises(ConfigError, match=r"could not parse --rollout\.vllm-server-urls x: Unrecognized options: "
                                           r"--rollout\.vllm-server-urls, x; perhaps you meant --rollout\.vllm-server\.urls"):
         parse_config(["--preset", "smoke", "--rollout.vllm-server-urls", "x"], prog="dppo train")
