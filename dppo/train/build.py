@@ -36,7 +36,7 @@ def build_task(cfg: Config):
     except ValueError as exc:
         raise ValueError(str(exc) if str(exc).startswith(f"{cfg.rollout.episodes}.") else f"task: {exc}") from exc
     if not task.train:
-        raise ValueError(f"task: {t.name!r} produced no training examples")
+        raise ValueError(f"task: {task.name!r} produced no training examples")
     if len(task.eval) > t.eval_size:  # a task that holds out its own rows (a file, a plug-in): the first eval_size
         task = dataclasses.replace(task, eval=task.eval[:t.eval_size])  # 0 = no evaluation; the rest stay held out
     return task

@@ -125,7 +125,7 @@ def evaluate_checkpoints(cfg: Config, run_dir: Path | None, *, step: int | None 
     checkpoint's weights in turn."""
     task = build_task(cfg)
     if not task.eval:
-        raise ValueError(f"task.eval_size: {cfg.task.name!r} has no held-out questions to evaluate (eval_size "
+        raise ValueError(f"task.eval_size: {task.name!r} has no held-out questions to evaluate (eval_size "
                          f"{cfg.task.eval_size}); give eval_size > 0 (a file task: eval_path or eval_fraction > 0)")
     n = cfg.train.eval_samples_per_prompt if samples is None else samples
     if n < 1:
@@ -153,7 +153,7 @@ def evaluate_checkpoints(cfg: Config, run_dir: Path | None, *, step: int | None 
             else:
                 source.publish(at, engine_state(model))
             result = evaluate(source, list(task.eval), params, pad_id=pad, ks=ks, vote=vote)
-            results.append({"source": origin, "task": cfg.task.name, "step": at, **result})
+            results.append({"source": origin, "task": task.name, "step": at, **result})
         return results
     finally:
         if source is not None:
