@@ -77,6 +77,8 @@ def test_the_tasksets_tasks_are_the_runs_examples_with_a_disjoint_held_out_split
     a, b = (int(x) for x in e.prompt[-1]["content"].rstrip("?").split("+"))
     assert e.answer == str(a + b) and e.prompt[-1]["role"] == "user"
     assert all(x.metadata == {} and x.uid.startswith("verifiers:") for x in task.train + task.eval)  # nothing carried
+    assert all(x.prompt[-1]["role"] == "user" and x.prompt[-1]["content"].strip() and x.answer
+               for x in task.train + task.eval)
     again = settings.task(size=20, eval_size=6, seed=1)
     assert [x.uid for x in again.train] == [x.uid for x in task.train]  # seeded
     with pytest.raises(ValueError, match="the taskset's own rewards"):
