@@ -14,9 +14,9 @@ same way for every kind (`EpisodeKindSettings` holds the defaults):
 - `episodes(max_new_tokens=..., reward=..., model=...)`: the run's episodes (`dppo.rollout.source.Episodes`,
   picklable: rollout workers receive them) from these settings and the run-time values the kind needs (the task's
   reward runner for a kind the task scores; the run's model for one that tokenises on its own side);
-- `task(size=..., eval_size=..., seed=...)`: the run's examples when the kind supplies them (a verifiers taskset's
-  tasks), split by task.size / eval_size / seed; None: the task section's task (the trainer's task building asks
-  here first);
+- `supplies_examples`, `task(size=..., eval_size=..., seed=...)`: whether the kind supplies the run's examples (a
+  verifiers taskset's tasks), and those examples, split by task.size / eval_size / seed (else the task section's task
+  is the run's: the trainer's task building asks the kind first);
 - `check_run(max_new_tokens=...)`: what the kind refuses once it is the run's choice (rollout.episodes), beside the
   rollout's settings (a turn longer than the episode's token budget, a missing extra); `episodes` refuses a kind
   with nothing to run (no environment, agent or taskset named), before any model loads;
@@ -54,10 +54,13 @@ class EpisodeKindSettings:
     torchrun_refusal: ClassVar[str] = ""
     default_top_k: ClassVar[int] = 0
     """K of µ's top-K the engine records when rollout.top_k_logprobs is unset and the trust region needs none."""
+    supplies_examples: ClassVar[bool] = False
+    """Whether the kind supplies the run's examples (`task`); the task section's name, options and system prompt then
+    go unused (its size, eval_size and seed split the kind's examples)."""
 
-    def task(self, *, size: int, eval_size: int, seed: int) -> Task | None:
-        """The run's examples when the kind supplies them; None: the task section's task."""
-        return None
+    def task(self, *, size: int, eval_size: int, seed: int) -> Task:
+        """The run's examples, for a kind that supplies them (`supplies_examples`)."""
+        raise NotImplementedError(f"{type(self).__name__} supplies no examples: the task section's task is the run's")
 
     def absolute_paths(self, base: Path):
         """These settings with every file they name absolute against `base` (none here)."""
@@ -288,6 +291,7 @@ class VerifiersSettings(ProxySettings):
 
     section: ClassVar[str] = "verifiers"
     noun: ClassVar[str] = "verifiers taskset"
+    supplies_examples: ClassVar[bool] = True
     torchrun_refusal: ClassVar[str] = (
         "rollout.episodes: verifiers episodes under torchrun are not supported (their episodes' rows differ in "
         "number between ranks); run one process, with async rollout workers if needed")

@@ -30,9 +30,10 @@ from dppo.train.scoring import ScoringModule, packed_layout_supported
 def build_task(cfg: Config):
     """The run's task: the examples of its episode kind when the kind supplies them (a verifiers taskset's tasks,
     `EpisodeKindSettings.task`), else the task section's task; split by task.size, task.eval_size and task.seed."""
-    t = cfg.task
+    t, settings = cfg.task, cfg.episode_settings
     try:
-        task = cfg.episode_settings.task(size=t.size, eval_size=t.eval_size, seed=t.seed) or _make_task(cfg)
+        task = (settings.task(size=t.size, eval_size=t.eval_size, seed=t.seed) if settings.supplies_examples
+                else _make_task(cfg))
     except ValueError as exc:
         raise ValueError(str(exc) if str(exc).startswith(f"{cfg.rollout.episodes}.") else f"task: {exc}") from exc
     if not task.train:

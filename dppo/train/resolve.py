@@ -113,8 +113,14 @@ def announce_rollout(cfg: Config, announce, *, training: bool = False) -> None:
 
 def resolution_notes(requested: Config) -> list[str]:
     """What resolving `requested` set aside that its user should hear at start (the trainer prints each line)."""
-    settings = requested.episode_settings
-    if settings.scored_by_task or not requested.task.reward:
-        return []
-    return [f"[dppo] task.reward {requested.task.reward!r} is not used: {settings.noun} {settings.label!r} scores "
-            f"each episode (config.yaml records reward '')"]
+    settings, task = requested.episode_settings, requested.task
+    notes = []
+    if not settings.scored_by_task and task.reward:
+        notes.append(f"[dppo] task.reward {task.reward!r} is not used: {settings.noun} {settings.label!r} scores "
+                     f"each episode (config.yaml records reward '')")
+    unused = [f"task.{k}" for k in ("name", "options", "system_prompt") if getattr(task, k) != getattr(type(task)(), k)]
+    if settings.supplies_examples and unused:
+        notes.append(f"[dppo] {' and '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used: the "
+                     f"{settings.noun} {settings.label!r} supplies the run's examples (task.size, task.eval_size and "
+                     f"task.seed split them)")
+    return notes

@@ -103,19 +103,23 @@ def test_bad_settings_fail_before_any_model_loads_naming_the_field(settings, fie
 
 def test_the_run_builds_its_examples_and_episodes_from_the_verifiers_section_and_its_model(tmp_path):
     """One section: the trainer's task building asks the episode kind first (the taskset's tasks, split by task.size /
-    eval_size / seed); the episodes' player gets the run's model for the train client's tokenizer; a relative taskset
-    is recorded absolute (an id is left to verifiers); a kind with no taskset is refused naming the field; the
-    verifiers section under another kind is refused (without the verifiers package: tests/test_extras.py)."""
+    eval_size / seed; the task section's task set aside, said at start); the episodes' player gets the run's model
+    for the train client's tokenizer; a relative taskset is recorded absolute (an id is left to verifiers); a kind
+    with no taskset is refused naming the field; the verifiers section under another kind is refused (without the
+    verifiers package: tests/test_extras.py)."""
     from conftest import smoke_config
 
     from dppo.train.build import build_episodes, build_task
-    from dppo.train.resolve import absolute_paths
+    from dppo.train.resolve import absolute_paths, resolution_notes
 
     cfg = smoke_config(tmp_path, rollout={"episodes": "verifiers"}, task={"size": 5, "eval_size": 3, "seed": 2},
                        verifiers={"taskset": TASKSET, "client": "train", "max_tokens": 64})
     task = build_task(cfg)
     assert [e.uid for e in task.train] == [e.uid for e in cfg.verifiers.task(size=5, eval_size=3, seed=2).train]
     assert len(task.train) == 5 and len(task.eval) == 3
+    assert resolution_notes(cfg)[-1] == (f"[dppo] task.name and task.options are not used: the verifiers taskset "
+                                         f"{TASKSET!r} supplies the run's examples (task.size, task.eval_size and "
+                                         f"task.seed split them)")  # (the smoke preset's addition task)
     episodes = build_episodes(cfg, task)
     assert episodes.player == Player(cfg.verifiers, tokenizer=cfg.model.name) and episodes.max_turns == 16
     assert episodes.settings.max_tokens == 64
