@@ -257,7 +257,7 @@ def compare_sources(spec, espec, weights, examples, params, steps: int, threads:
         if mode == "sync":
             source = EngineSource(build_engine(espec), draw, weights=weights, version=0, start_position=0, episodes=spec)
         else:
-            pool = start_pool("local", espec, ["cpu"], weights, 0, threads=threads, timeout_s=600.0)
+            pool = start_pool("local", [espec], ["cpu"], weights, 0, threads=threads, timeout_s=600.0)
             source = AsyncSource(pool, draw, max_staleness=1, start_step=0, start_position=0, episodes=spec)
         start_s = time.perf_counter() - t0
         takes, publishes, staleness, returned = [], [], [], []

@@ -16,7 +16,8 @@
     dppo diagnose [--model NAME] [--engine auto|hf|vllm] [--engine-dtype bfloat16] [--n-prompts N] ...
 
 Config fields are tyro flags over the dataclass tree of `dppo.train.config` (`dppo train --help` lists them all with
-their docstrings). Precedence: defaults < preset < --config file < flags. Every value is validated before any
+their docstrings); the engines (rollout.engines) are spelled --rollout.engine/dtype/quantization/engine-lag,
+--rollout.fleet and --rollout.<kind>.<field> (`dppo.train.engine_flags`). Precedence: defaults < preset < --config file < flags. Every value is validated before any
 model is loaded.
 
 Errors (docs/cli.md): a config, data or input error (the field, file and line it names), a run directory that cannot
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as _dt
 import io
 import json
@@ -39,6 +41,8 @@ import re
 import sys
 import time
 import traceback
+import typing
+from dataclasses import field
 from pathlib import Path
 
 import torch
@@ -54,6 +58,7 @@ from dppo.studies.diagnose.cli import cmd_diagnose as diagnose_command
 from dppo.studies.sanity import cmd_sanity as sanity_command
 from dppo.train.build import build_model, build_task, check_environment
 from dppo.train.config import Config, ConfigError, replace
+from dppo.train.engine_flags import RolloutFlags, from_flags, given_flags, to_flags
 from dppo.train.kinds import choose
 from dppo.train.moved_fields import check_moved_flags
 from dppo.train.distributed import DistributedError, world_from_env
@@ -114,6 +119,27 @@ def _base_config(ns: argparse.Namespace) -> tuple[Config, str]:
     return get_preset(name), name
 
 
+_HINTS = typing.get_type_hints(Config)
+CliConfig = dataclasses.make_dataclass(
+    "Config", [(f.name, RolloutFlags if f.name == "rollout" else _HINTS[f.name], field(default_factory=f.default_factory))
+               for f in dataclasses.fields(Config)],
+    frozen=True, namespace={"__doc__": Config.__doc__, "__module__": __name__})
+"""The run config as the command line parses it: `Config`'s sections, the rollout as
+`dppo.train.engine_flags.RolloutFlags` (its engines as flags)."""
+
+
+def cli_default(cfg: Config) -> CliConfig:
+    """`cfg` as the parser's default (its engines as flags)."""
+    return CliConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config) if f.name != "rollout"},
+                     rollout=to_flags(cfg.rollout))
+
+
+def from_cli(parsed: CliConfig, base: Config, args: list[str] = ()) -> Config:
+    """The run config the parser's result spells from command line `args`, its engines read against `base`'s."""
+    return Config(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(Config) if f.name != "rollout"},
+                  rollout=from_flags(parsed.rollout, base.rollout.engines, given_flags(list(args))))
+
+
 def _flag(args: list[str], name: str) -> str | None:
     """The last value of flag `name` in `args` (`--name value` or `--name=value`), None when absent."""
     value = None
@@ -129,15 +155,14 @@ def parse_config(argv: list[str], *, prog: str, resume: bool = True) -> tuple[Co
     """Resolve the config for `train`/`eval` from argv (raises ConfigError naming the field)."""
     ns, rest = _split_args(argv, resume=resume)
     base, label = _base_config(ns)
-    base = choose(base, engine=_flag(rest, "--rollout.engine"), episodes=_flag(rest, "--rollout.episodes"),
-                  fleet=_flag(rest, "--rollout.fleet"))
+    base = choose(base, episodes=_flag(rest, "--rollout.episodes"))
     if "-h" in rest or "--help" in rest:
-        tyro.cli(Config, default=base, args=["--help"], prog=prog, description=__doc__ + "\n" + _TOP)
+        tyro.cli(CliConfig, default=cli_default(base), args=["--help"], prog=prog, description=__doc__ + "\n" + _TOP)
     check_moved_flags(rest)
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            cfg = tyro.cli(Config, default=base, args=rest, prog=prog, description=_TOP)
+            parsed = tyro.cli(CliConfig, default=cli_default(base), args=rest, prog=prog, description=_TOP)
     except SystemExit as exc:
         if exc.code:
             reason = parser_reason(said.getvalue())
@@ -146,6 +171,10 @@ def parse_config(argv: list[str], *, prog: str, resume: bool = True) -> tuple[Co
         raise
     finally:
         sys.stderr.write(said.getvalue())  # what tyro printed (its box), as it printed it
+    try:
+        cfg = from_cli(parsed, base, rest)  # (the engine flags read into rollout.engines, `dppo.train.engine_flags`)
+    except ConfigError as exc:  # (as the parser says a field's refusal: the line, then the reason)
+        raise ConfigError(f"command line: could not parse {' '.join(rest)}: {exc} (see `{prog} --help`)") from None
     if ns.run_dir:
         cfg = replace(cfg, log={"run_dir": ns.run_dir})
     if getattr(ns, "resume", None):

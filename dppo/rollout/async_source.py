@@ -12,7 +12,9 @@ published (and sampled with that version or a newer one), so every trained respo
     trained:             step 0 (s=0)   step 1 (s≤1)   step 2 (s≤1) ...
 
 k = 0 is the synchronous schedule (submit step s after version s, wait), so it reproduces `rollout.mode sync`
-with the engine in another process. Each batch is split into one share of whole prompts per worker; shares
+with the engine in another process. A worker whose engine has a lag L (`EngineNode.lag`) samples with weights L
+versions older than those it was given, so its responses' staleness is at most k + L (`max_lag`: the bound `take`
+checks). Each batch is split into one share of whole prompts per worker; shares
 after the first get their own sampling seed. Prompts are drawn when a batch is submitted; `trained_position`
 is the prompt sampler's position after the last *trained* batch, which a checkpoint stores, so a resumed run
 draws the in-flight batches again (they are dropped, not trained twice or skipped).
@@ -60,9 +62,10 @@ class AsyncSource(RolloutSource):
     """Steps in flight against a worker `Pool` that holds version `start_step` (see the module docstring)."""
 
     def __init__(self, pool: Pool, draw: Callable[[int], Draw], *, max_staleness: int, start_step: int,
-                 start_position: int, episodes) -> None:
+                 start_position: int, episodes, max_lag: int = 0) -> None:
         super().__init__(draw, start_position=start_position, episodes=episodes)
-        self.pool, self.max_staleness = pool, max_staleness
+        self.pool, self.ahead = pool, max_staleness
+        self.max_staleness = max_staleness + max_lag  # (an engine's lag adds to the staleness its responses have)
         self.weight_version = start_step
         self._next_step = start_step
         self._pending: dict[int, _Pending] = {}
@@ -78,7 +81,7 @@ class AsyncSource(RolloutSource):
     def _take(self, step: int):
         """(examples, rollouts, position) of training step `step`, after submitting every batch the staleness bound
         allows."""
-        while self._next_step <= self.weight_version + self.max_staleness:
+        while self._next_step <= self.weight_version + self.ahead:
             d = self.draw(self._next_step)
             pending = _Pending(self._next_step, d.examples, d.position)
             self._submit(pending, d.examples, d.params)

@@ -1,5 +1,6 @@
-"""A mixed fleet: engines of different kinds or precisions sampling one run's batch under one trust region
-(`rollout.fleet`, e.g. "vllm-server:bfloat16,hf:float32" or "hf:bfloat16,hf:float32,hf:float32:fp8").
+"""Several engines as one: engines of different kinds, precisions or lags sampling one run's batch under one trust
+region (`rollout.engines` with more than one engine; on the command line `--rollout.fleet
+"vllm-server:bfloat16,hf:float32"`). `fleet_of(specs)` builds the run's engines as one engine (one is itself).
 
 Each member is an ordinary engine built from its own `EngineSpec` (`dppo.rollout.spec.build_engine`: its kind's
 settings node, its dtype, fp8 weights or not, its own seed). `FleetEngine` is itself an engine (the
@@ -8,16 +9,18 @@ settings node, its dtype, fp8 weights or not, its own seed). `FleetEngine` is it
   prompt come from one engine and the members' shares differ by at most one prompt), runs the members at once (a
   thread each), and returns the rollouts prompt-major as one engine would, each tagged with its member
   (`Rollout.engine` = j, logged as `engine_{j}`);
-- `load_weights` gives every member the same weights (fp8 members quantise their copy).
+- `load_weights` gives every member (or the members named: engines whose lags differ, `dppo.rollout.source`) the
+  same weights (fp8 members quantise their copy).
 
 Why it is exact: every member records µ as the log-probs of the distribution it sampled from, so a response's
 importance weight π/µ and its trust-region mask are those of the engine that sampled it, token by token, whatever
 the members' numerics. The trainer splits the mismatch, the masked share and the reward by member
 (`dppo.train.step_metrics`).
 
-Limits (refused by the run config, `dppo.train.config`): sync rollouts only (no rollout.mode async, no in-flight
-updates), single answers only (an episode's turns are separate engine calls, which would deal one episode's turns
-and one group's episodes to different members), at most one in-process `vllm` member.
+Limits (refused by the run config, `dppo.train.kinds.check_engines`): single answers only (an episode's turns are
+separate engine calls, which would deal one episode's turns and one group's episodes to different members; under
+rollout.mode async each rollout worker holds one engine instead, and runs whole episodes), at most one in-process
+`vllm` engine.
 """
 
 from __future__ import annotations
@@ -25,62 +28,20 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from dppo._checks import config_fail
 from dppo.rollout.base import EnginePrompt, Rollout, SamplingParams
-from dppo.rollout.settings import ENGINES
 from dppo.rollout.spec import EngineSpec, build_engine
-from dppo.runtime.models import DTYPES
 
 SEED_STRIDE = 1 << 40
 """Member j samples a call seeded s with seed s + j·SEED_STRIDE (members draw independent randomness)."""
 
 
-@dataclass(frozen=True)
-class FleetMember:
-    """One member of rollout.fleet, "KIND:DTYPE[:fp8]"."""
-
-    kind: str
-    """A name in `dppo.rollout.settings.ENGINES` (its settings are the run's node of that kind)."""
-    dtype: str
-    """The dtype it samples in (a name in `dppo.runtime.models.DTYPES`)."""
-    fp8: bool = False
-    """It samples from fp8 weights (`dppo.rollout.quantize`), as rollout.quantization fp8 does for one engine."""
-
-    def __str__(self) -> str:
-        return f"{self.kind}:{self.dtype}" + (":fp8" if self.fp8 else "")
-
-    def describe(self) -> str:
-        """'hf float32', 'hf bfloat16 fp8': how the run announces it."""
-        return f"{self.kind} {self.dtype}" + (" fp8" if self.fp8 else "")
-
-
-def parse_fleet(text: str) -> tuple[FleetMember, ...]:
-    """The members of rollout.fleet (comma-separated "KIND:DTYPE[:fp8]"; "" = no fleet, one engine). ConfigError
-    naming rollout.fleet for a malformed member, an unknown kind or dtype, or fewer than two members."""
-    if not text.strip():
-        return ()
-    members = []
-    for item in text.split(","):
-        parts = [p.strip() for p in item.strip().split(":")]
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "fp8"):
-            config_fail("rollout.fleet", f"{item.strip()!r} is not KIND:DTYPE or KIND:DTYPE:fp8 "
-                                         f"(e.g. hf:float32, vllm-server:bfloat16, hf:float32:fp8)")
-        if parts[0] not in ENGINES:
-            config_fail("rollout.fleet", f"unknown engine {parts[0]!r} in {item.strip()!r}; valid: {', '.join(ENGINES)}")
-        if parts[1] not in DTYPES:
-            config_fail("rollout.fleet", f"unknown dtype {parts[1]!r} in {item.strip()!r}; valid: {', '.join(DTYPES)}")
-        members.append(FleetMember(parts[0], parts[1], fp8=len(parts) == 3))
-    if len(members) < 2:
-        config_fail("rollout.fleet", f"expected two or more members, got {text.strip()!r} (one engine is "
-                                     f"rollout.engine, rollout.dtype and rollout.quantization)")
-    return tuple(members)
-
-
-def fleet_line(members: Sequence[FleetMember]) -> str:
-    """The run's start-up line naming each member's index (the `engine_{j}` of its metrics)."""
-    return "[dppo] rollout: fleet " + ", ".join(f"engine_{j} = {m.describe()}" for j, m in enumerate(members))
+def fleet_of(specs: Sequence[EngineSpec]):
+    """The engines of `specs` as one engine: one engine is itself, several a `FleetEngine` (built in order; those
+    built are closed if one fails)."""
+    if len(specs) == 1:
+        return build_engine(specs[0])
+    return FleetEngine.from_specs(specs)
 
 
 class FleetEngine:
@@ -88,7 +49,7 @@ class FleetEngine:
     rollouts are tagged j); they must share one tokenizer. The fleet owns them: `close` closes every one."""
 
     between_chunks = None
-    """In-flight weight updates: a fleet has none (rollout.fleet refuses rollout.in_flight_updates)."""
+    """In-flight weight updates: a fleet has none (in-flight updates need rollout.mode async, where a worker holds one engine)."""
 
     def __init__(self, members: Sequence) -> None:
         if not members:
@@ -99,7 +60,7 @@ class FleetEngine:
         for j, member in enumerate(self.members[1:], 1):
             if _vocab(member.tokenizer) != vocab:
                 self.close()
-                raise ValueError(f"rollout.fleet: engine_{j}'s tokenizer differs from engine_0's (every member "
+                raise ValueError(f"rollout.engines: engine_{j}'s tokenizer differs from engine_0's (every member "
                                  f"serves the trainer's model)")
         self._pool = cf.ThreadPoolExecutor(max_workers=len(self.members), thread_name_prefix="dppo-fleet")
 
@@ -151,9 +112,11 @@ class FleetEngine:
             rollouts += got
         return sorted(rollouts, key=lambda r: r.prompt_index)  # stable: each prompt's n keep their order
 
-    def load_weights(self, weights) -> None:
-        """Every member loads `weights` (a state dict with HF names, or a module), all at once."""
-        self._all(lambda j, _: self.members[j].load_weights(weights), [(j, None) for j in range(len(self.members))])
+    def load_weights(self, weights, members: Sequence[int] | None = None) -> None:
+        """Every member (or those of `members`, engines whose lags differ) loads `weights` (a state dict with HF
+        names, or a module), all at once."""
+        chosen = range(len(self.members)) if members is None else members
+        self._all(lambda j, _: self.members[j].load_weights(weights), [(j, None) for j in chosen])
 
     def enable_prefix_cache(self, max_tokens: int) -> None:
         for member in self.members:
@@ -179,7 +142,7 @@ class FleetEngine:
         for (j, _), future in zip(jobs, futures):
             exc = future.exception()
             if exc is not None:
-                exc.add_note(f"(in rollout.fleet's engine_{j})")
+                exc.add_note(f"(in rollout.engines' engine_{j})")
                 raise exc
         return [f.result() for f in futures]
 

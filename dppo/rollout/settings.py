@@ -40,10 +40,25 @@ class EngineSettings:
     can_record_top_k: ClassVar[bool] = True
     """It records µ's top-K log-probs (the Top-K trust regions need them)."""
 
+    exclusive: ClassVar[str] = ""
+    """Why a run's engine list can hold at most one engine of this kind ('' = it can hold several)."""
+
     def quantizes_activations(self) -> bool:
-        """With rollout.quantization fp8: whether the engine also quantises its decoder's linear-layer inputs (only an
-        engine whose model runs in this process can; False for the others)."""
+        """With fp8 weights (`EngineNode.fp8`): whether the engine also quantises its decoder's linear-layer inputs
+        (only an engine whose model runs in this process can; False for the others)."""
         return False
+
+    def takes_adapter(self) -> bool:
+        """Whether the engine takes the LoRA adapter at every sync instead of merged weights."""
+        return False
+
+    def check_node(self, node: "EngineNode", *, lora_rank: int, engines: tuple = ()) -> None:
+        """ConfigError naming the field for what this kind refuses of its engine `node` in a run (its fp8, the run's
+        LoRA rank, the run's other `engines`); nothing for most kinds."""
+
+    def shared_with(self, other: "EngineSettings") -> str:
+        """What two engines of this kind in one run would share that they cannot ('' = nothing)."""
+        return ""
 
     @classmethod
     def node(cls) -> str:
@@ -69,10 +84,17 @@ class HFSettings(EngineSettings):
     max_batch_rows: int = 0
     """Most responses decoded together (whole prompts per batch; bounds the KV cache); 0 = all P·G."""
     fp8_activations: bool = False
-    """With rollout.quantization fp8: also quantise every decoder linear layer's input per token."""
+    """With fp8 weights (rollout.quantization fp8): also quantise every decoder linear layer's input per token (an hf
+    engine without fp8 weights ignores it)."""
 
     def quantizes_activations(self) -> bool:
-        return self.fp8_activations
+        return self.fp8_activations  # (only an engine with fp8 weights is asked: `dppo.rollout.spec.build_engine`)
+
+    def check_node(self, node: "EngineNode", *, lora_rank: int, engines: tuple = ()) -> None:
+        if self.fp8_activations and not any(n.fp8 for n in engines or (node,) if n.kind == self.kind):
+            _fail("rollout.hf.fp8_activations", "needs an hf engine with fp8 weights (rollout.quantization fp8, or "
+                                                "KIND:DTYPE:fp8 in rollout.fleet; fp8: true in rollout.engines); an "
+                                                "hf engine without them ignores it")
 
 
 @dataclass(frozen=True)
@@ -82,6 +104,8 @@ class VLLMSettings(EngineSettings):
 
     kind: ClassVar[str] = "vllm"
     engine: ClassVar[str] = "dppo.rollout.vllm:VLLMEngine"
+    exclusive: ClassVar[str] = ("vLLM's offline engines share this process's random state; use vllm-server engines "
+                                "for more")
 
     kv_cache_gb: float = 2.0
     """On CPU: the KV cache size in GB (VLLM_CPU_KVCACHE_SPACE)."""
@@ -154,6 +178,20 @@ class VLLMServerSettings(EngineSettings):
         except ValueError as exc:
             _fail("rollout.vllm_server.args", f"not shell syntax ({exc})")
 
+    def takes_adapter(self) -> bool:
+        return self.lora_sync == "adapter"
+
+    def check_node(self, node: "EngineNode", *, lora_rank: int, engines: tuple = ()) -> None:
+        if self.lora_sync == "adapter" and not lora_rank:
+            _fail("rollout.vllm_server.lora_sync", "'adapter' needs a LoRA run (model.lora_rank > 0)")
+        if self.lora_sync == "adapter" and node.fp8:
+            _fail("rollout.vllm_server.lora_sync", "'adapter' sends no base weights to quantise; use fp8 false "
+                                                   "(rollout.quantization none)")
+
+    def shared_with(self, other: EngineSettings) -> str:
+        both = set(self.url_list) & set(getattr(other, "url_list", ()))
+        return f"the server {sorted(both)[0]} (rollout.vllm_server.urls: give each engine its own)" if both else ""
+
     @property
     def url_list(self) -> list[str]:
         return [u.strip() for u in self.urls.split(",") if u.strip()]
@@ -175,3 +213,83 @@ class Adapter:
 
 ENGINES: dict[str, type[EngineSettings]] = {s.kind: s for s in (HFSettings, VLLMSettings, VLLMServerSettings)}
 """Engine kind -> its settings class (which names the engine class and declares what it can do)."""
+
+ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""An engine's dtype: auto (`dppo.runtime.hardware.resolve_dtype`) or a name in `dppo.runtime.models.DTYPES`."""
+
+
+@dataclass(frozen=True)
+class EngineNode:
+    """One engine of the run's list (`rollout.engines`): its kind, the dtype it samples in, fp8 weights or not, how
+    many optimiser steps behind it samples, and its kind's own settings. One engine is a list of one; with several,
+    engine j samples whole prompts in turn (sync, `dppo.rollout.fleet`) or serves rollout worker i with i mod M = j
+    (async), and its responses are tagged j (metrics `*_engine_{j}`).
+
+    In a config file an engine is one mapping, its kind's settings beside the four common fields:
+    `{kind: vllm-server, dtype: bfloat16, fp8: false, lag: 0, urls: "http://a:8000"}`. On the command line the
+    spellings `--rollout.engine/--rollout.dtype/--rollout.quantization/--rollout.engine-lag`, `--rollout.fleet` and
+    `--rollout.<kind>.<field>` parse into the list (`dppo.train.engine_flags`)."""
+
+    kind: str = "auto"
+    """A name in `ENGINES`, or auto (resolved by the hardware once: `dppo.runtime.hardware.resolve_engine`)."""
+    dtype: str = "auto"
+    """The dtype it samples in (`ENGINE_DTYPES`; auto = bf16 where native, float32 otherwise)."""
+    fp8: bool = False
+    """It samples from float8 e4m3 weights (`dppo.rollout.quantize`), quantised at every weight sync."""
+    lag: int = 0
+    """It samples with the weights of this many optimiser steps ago (a deterministic stand-in for a slow or stale
+    engine: µ is still what it sampled from, so the importance weight and the mask stay exact)."""
+    settings: EngineSettings | None = None
+    """Its kind's settings (None = that kind's defaults; always None while kind is auto)."""
+
+    def __post_init__(self) -> None:
+        if self.kind != "auto" and self.kind not in ENGINES:
+            _fail("rollout.engine", f"unknown engine {self.kind!r}; valid: auto, {', '.join(ENGINES)}")
+        if self.dtype not in ENGINE_DTYPES:
+            _fail("rollout.dtype", f"unknown dtype {self.dtype!r}; valid: {', '.join(ENGINE_DTYPES)}")
+        if self.lag < 0:
+            _fail("rollout.engine_lag", f"expected >= 0, got {self.lag}")
+        if self.kind == "auto":
+            if self.settings is not None:
+                _fail(f"rollout.{self.settings.node()}", f"a setting of the {self.settings.kind} engine, but the "
+                                                         f"engine is auto: name it (rollout.engine {self.settings.kind})")
+            return
+        if self.settings is None:
+            object.__setattr__(self, "settings", ENGINES[self.kind]())
+        elif type(self.settings) is not ENGINES[self.kind]:
+            _fail(f"rollout.{self.settings.node()}", f"a setting of the {self.settings.kind} engine given to a "
+                                                     f"{self.kind} engine")
+
+    @property
+    def resolved(self) -> bool:
+        """Whether its kind is decided (not auto): what it can do is then known."""
+        return self.kind != "auto"
+
+    def describe(self) -> str:
+        """'hf float32', 'hf bfloat16 fp8 lag 2': how the run announces it."""
+        return " ".join([self.kind, self.dtype] + ["fp8"] * self.fp8 + [f"lag {self.lag}"] * bool(self.lag))
+
+    def to_dict(self) -> dict:
+        """The node as a config file holds it: the four common fields, then its kind's settings."""
+        common = {"kind": self.kind, "dtype": self.dtype, "fp8": self.fp8, "lag": self.lag}
+        return {**common, **({} if self.settings is None else
+                             {f.name: getattr(self.settings, f.name) for f in fields(self.settings)})}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> "EngineNode":
+        """The node of one config-file mapping (`to_dict`); ConfigError naming `where` (rollout.engines[j]) and the
+        field for an unknown field."""
+        if not isinstance(data, dict):
+            _fail(where, f"expected a mapping {{kind: ..., dtype: ..., ...}}, got {data!r}")
+        data = dict(data)
+        common = {k: data.pop(k) for k in ("kind", "dtype", "fp8", "lag") if k in data}
+        kind = common.get("kind", "auto")
+        settings_cls = ENGINES.get(kind)
+        known = {f.name for f in fields(settings_cls)} if settings_cls else set()
+        for key in data:
+            if key not in known:
+                _fail(f"{where}.{key}", f"unknown field of a {kind} engine; valid: kind, dtype, fp8, lag"
+                                        + "".join(f", {k}" for k in sorted(known)))
+        if isinstance(data.get("urls"), list):
+            data["urls"] = ",".join(data["urls"])
+        return cls(**common, settings=settings_cls(**data) if settings_cls else None)

@@ -13,8 +13,9 @@ measured from what was recorded, never computed from a formula. `take` checks it
 in one place.
 
 Implementations:
-- `EngineSource(engine, draw, lag=0)`: an engine in this process. lag 0 = synchronous (the engine gets every
-  version as it is published); lag k > 0 = `rollout.engine_lag`: the engine gets version v only once version v + k
+- `EngineSource(engine, draw, lags=(0,))`: the run's engines in this process. lag 0 = synchronous (the engine gets
+  every version as it is published); lag k > 0 = the engine's `lag` (rollout.engines[j].lag, `--rollout.engine-lag`):
+  it gets version v only once version v + k
   is published (CPU copies wait in a queue), a deterministic stand-in for asynchronous staleness.
 - `dppo.rollout.async_source.AsyncSource`: rollout workers in other processes (or Ray actors) that sample ahead.
 
@@ -31,7 +32,6 @@ checkpoint stores (a resumed run draws any batches that were in flight again).
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -136,36 +136,46 @@ def stamp(rollouts: list[Rollout], version: int, *, in_flight: bool = False) -> 
 
 
 class EngineSource(RolloutSource):
-    """An engine in the trainer's process, `lag` versions behind the trainer (0 = synchronous)."""
+    """The run's engines in the trainer's process (one engine, or a `dppo.rollout.fleet.FleetEngine`), engine j
+    `lags[j]` versions behind the trainer (all 0 = synchronous)."""
 
     def __init__(self, engine, draw: Callable[[int], Draw], *, weights: dict[str, Tensor], version: int,
-                 start_position: int, episodes: Episodes, lag: int = 0) -> None:
+                 start_position: int, episodes: Episodes, lags: Sequence[int] = (0,)) -> None:
         super().__init__(draw, start_position=start_position, episodes=episodes)
-        if lag < 0:
-            raise ValueError(f"rollout.engine_lag: expected >= 0, got {lag}")
-        self.engine, self.lag, self.max_staleness = engine, lag, lag
+        if min(lags) < 0:
+            raise ValueError(f"rollout.engine_lag: expected >= 0, got {min(lags)}")
+        self.engine, self.lags, self.max_staleness = engine, list(lags), max(lags)
         self.collect = episodes.collector()
-        self._waiting: collections.deque = collections.deque()  # (version, CPU state dict) not yet loaded
-        self._load(version, weights)
-
-    def _load(self, version: int, weights) -> None:
+        self._kept: dict[int, dict] = {}  # version -> CPU state dict a lagging engine has yet to load
         self.engine.load_weights(weights)
-        self.version = version
+        self.versions = [version] * len(self.lags)  # the version each engine holds
 
     def _take(self, step: int):
         d = self.draw(step)
         return d.examples, self._generate(d.examples, d.params), d.position
 
     def publish(self, version: int, weights: dict[str, Tensor]) -> None:
-        if not self.lag:
-            self._load(version, weights)
-            return
-        self._waiting.append((version, {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}))
-        if len(self._waiting) > self.lag:
-            self._load(*self._waiting.popleft())
+        """Engine j loads version `version` - lags[j] once it is published (the newest weights at once when its lag
+        is 0; a lagging engine's versions wait here, on the CPU)."""
+        if self.max_staleness:
+            self._kept[version] = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+        due: dict[int, list[int]] = {}
+        for j, lag in enumerate(self.lags):
+            if version - lag > self.versions[j] and (lag == 0 or version - lag in self._kept):
+                due.setdefault(version - lag, []).append(j)
+        for target, members in sorted(due.items()):
+            state = weights if target == version else self._kept[target]
+            self.engine.load_weights(state, **({} if len(members) == len(self.lags) else {"members": members}))
+            for j in members:
+                self.versions[j] = target
+        for old in [v for v in self._kept if v <= min(self.versions)]:
+            del self._kept[old]
 
     def _generate(self, examples: Sequence, params: SamplingParams) -> list[Rollout]:
-        return stamp(self.collect(self.engine, examples, params), self.version)
+        rollouts = self.collect(self.engine, examples, params)
+        for version in set(self.versions):  # each response: the version its engine holds (`Rollout.engine`)
+            stamp([r for r in rollouts if self.versions[r.engine] == version], version)
+        return rollouts
 
     def metrics(self) -> dict[str, float]:
         return self.engine.metrics()

@@ -45,6 +45,11 @@ class EngineSpec:
     versions_in_flight: int = 2
     """Most weight versions in use at once (the current one and those requests still use: max_staleness + 2 under
     async rollouts)."""
+    lag: int = 0
+    """It samples with the weights of this many optimiser steps ago (`EngineNode.lag`; its owner, an `EngineSource`
+    or a rollout worker, holds the newer versions back)."""
+    index: int = 0
+    """Its place j in the run's engine list: its responses are tagged j (`Rollout.engine`)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

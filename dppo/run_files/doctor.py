@@ -162,18 +162,21 @@ def _mask(report: Report, recent: list[dict]) -> None:
 
 
 def _advice(report: Report, rollout: dict, model: dict, optim: dict, recent: list[dict]) -> None:
-    dtype, precision = rollout.get("dtype"), model.get("precision")
-    lag, staleness = rollout.get("engine_lag", 0) or 0, rollout.get("max_staleness", 0) or 0
+    engines = [e for e in rollout.get("engines") or [] if isinstance(e, dict)]  # (older run dirs: the flat fields)
+    first = engines[0] if engines else rollout
+    dtype, precision = first.get("dtype"), model.get("precision")
+    lag = max((e.get("lag", 0) or 0 for e in engines), default=rollout.get("engine_lag", 0) or 0)
+    staleness = rollout.get("max_staleness", 0) or 0
     lr = optim.get("lr")
     if report.dominant == "precision":
         if dtype in ("bfloat16", "float16") and precision == "fp32":
             report.advice.append(f"the engine samples in {dtype} beside an fp32 trainer: sample in float32 "
                                  f"(--rollout.dtype float32), or train with bf16 autocast (--model.precision bf16) "
                                  f"so both round alike")
-        elif rollout.get("quantization") == "fp8":
+        elif first.get("quantization") == "fp8" or first.get("fp8"):
             report.advice.append("the engine samples from fp8 weights: drop rollout.quantization, or widen δ")
         else:
-            report.advice.append(f"the engine ({rollout.get('engine', '?')}, {dtype}) and the trainer ({precision}) "
+            report.advice.append(f"the engine ({first.get('kind', first.get('engine', '?'))}, {dtype}) and the trainer ({precision}) "
                                  f"compute differently: align their dtypes and kernels (docs/engines.md)")
         report.advice.append("a wider δ (loss.delta_high/delta_low) lets through what the engine's numerics move; "
                              "the recompute anchor does not help (the paper's §5.2)")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,10 +25,11 @@ from dppo._checks import config_positive as _positive
 from dppo.advantages import ADVANTAGES
 from dppo.episodes.settings import EPISODE_KINDS, AgentSettings, EnvSettings, VerifiersSettings
 from dppo.loss_spec import LossSpec, loss_spec
-from dppo.rollout.fleet import FleetMember, parse_fleet
-from dppo.rollout.settings import ENGINES
-from dppo.train.kinds import check_engine, check_episodes, check_fleet
+from dppo.rollout.settings import EngineNode
+from dppo.train.engine_flags import FLAG_FIELDS, with_flags
+from dppo.train.kinds import check_episodes, check_run_engines
 from dppo.train.moved_fields import check_moved, check_moved_values
+from dppo.train.rollout_config import RolloutConfig
 from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk
 from dppo.run_files.logger import TRACKERS, check_tracker_installed
 
@@ -71,144 +71,6 @@ class ModelConfig:
         if self.lora_rank < 0:
             _fail("model.lora_rank", f"expected >= 0, got {self.lora_rank}")
         _positive("model", lora_alpha=self.lora_alpha, tiny_hidden=self.tiny_hidden, tiny_layers=self.tiny_layers)
-
-
-EngineKind = Literal[("auto", *ENGINES)]
-"""rollout.engine: auto or a name in `dppo.rollout.settings.ENGINES`."""
-EpisodeKind = Literal[tuple(EPISODE_KINDS)]
-"""rollout.episodes: a name in `dppo.episodes.settings.EPISODE_KINDS`."""
-
-
-@dataclass(frozen=True)
-class _RolloutSettings:
-    """The rollout: what is sampled (P prompts, G responses each, temperature, length, µ's top-K), by which engine
-    (rollout.engine, whose own settings are its node: rollout.hf, rollout.vllm, rollout.vllm_server, one per
-    `dppo.rollout.settings.ENGINES` entry; a node of an engine the run does not use is refused), the mismatch
-    emulations (fp8 weights, a lagging engine) and where the engine runs (sync, or async rollout workers)."""
-
-    engine: EngineKind = "auto"
-    """auto = the faster engine for the hardware and engine dtype (dppo.runtime.hardware.resolve_engine): vllm on CUDA
-    and on CPUs in bf16; hf on CPUs in float32 (it shares each prompt's prefix across its G samples). vllm
-    only when importable. vllm-server = vLLM's own server processes (started by dppo, or rollout.vllm_server.urls),
-    weights through vLLM's weight-update API (docs/engines.md); never chosen by auto. Each engine's own settings
-    are its node (rollout.hf, rollout.vllm, rollout.vllm_server)."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype the engine samples in. auto = bfloat16 where it is native (CUDA with bf16; CPUs with avx512_bf16 or
-    AMX), float32 otherwise (emulated bf16 is 3-4x slower). bf16 vs an fp32 trainer is a real mismatch; float16
-    (never a default) narrows it at the source, with an fp16 trainer most of all."""
-    fleet: str = ""
-    """A mixed fleet instead of one engine: comma-separated members KIND:DTYPE[:fp8] (e.g. "vllm-server:bfloat16,
-    hf:float32" or "hf:bfloat16,hf:float32,hf:float32:fp8"), each with its kind's node (rollout.hf, ...), sampling
-    whole prompts in turn; every response is tagged with its member j and the mismatch, masked share and reward are
-    also logged per member (`*_engine_{j}`). Needs rollout.engine/dtype auto and rollout.quantization none (each
-    member names its own), sync single-answer rollouts (dppo.rollout.fleet; docs/engines.md). '' = one engine."""
-    episodes: EpisodeKind = "single"
-    """What one rollout is: single = one answer per prompt, scored by the task's reward; env = multi-turn episodes
-    with the environment of the `env` section (env.name); agent = an agent's episodes through dppo's recording proxy
-    (the `agent` section); verifiers = a verifiers v1 taskset's tasks played by verifiers' harness and client through
-    the proxy (the `verifiers` section; its tasks are the run's examples). The settings of a kind the run does not
-    use are refused (docs/agents.md)."""
-    prompts_per_step: int = 8
-    """P: prompts sampled per training step."""
-    group_size: int = 8
-    """G: responses per prompt."""
-    temperature: float = 1.0
-    """Sampling temperature (the trainer scores with the same temperature)."""
-    max_new_tokens: int = 24
-    """Maximum response length."""
-    top_k_logprobs: int | None = None
-    """K: record µ's top-K log-probs per token (0 = off). None = 20 when the trust region needs them (Top-K
-    TV/KL), else the episode kind's default: 1 for rollout.episodes agent (clients ask µ's top-1 by default: SkyRL,
-    verifiers' TrainClient), 0 otherwise."""
-    quantization: Literal["none", "fp8"] = "none"
-    """fp8 = the engine samples from float8 e4m3 weights (one scale per output channel, quantised at every weight
-    sync; dppo.rollout.quantize) and records that model's log-probs as µ: cheap inference and a mismatch that
-    grows with the weights' scale."""
-    engine_lag: int = 0
-    """The engine samples with the weights of this many optimiser steps ago (a deterministic stand-in for
-    asynchronous rollouts; µ is still recorded by the engine, so the importance weight and the mask stay exact)."""
-    mode: Literal["sync", "async"] = "sync"
-    """sync = generate, train, sync weights, in turn, with the engine in the trainer's process. async = rollout
-    workers in their own processes (one per `devices` entry) sample the next batches while the trainer trains
-    (dppo.rollout.remote; docs/async.md); each response records the weight version it was sampled under."""
-    max_staleness: int = 1
-    """async: a batch is trained at most this many optimiser steps after the weights that sampled it (0 = the
-    same weights and metrics as sync, with the engine in another process)."""
-    devices: str = ""
-    """async: one rollout worker per comma-separated entry (cpu, cuda, cuda:N; 'cpu,cpu' = two CPU workers).
-    '' = one worker on the trainer's device type."""
-    backend: Literal["local", "ray"] = "local"
-    """async: local = worker processes on this machine, weights published through shared memory; ray = Ray actors
-    (placeable on other nodes of a Ray cluster), weights published through Ray's object store."""
-    ray_address: str = ""
-    """backend ray: the cluster to join ('auto', 'host:port'); '' = start a Ray instance on this machine."""
-    worker_threads: int = 0
-    """async: CPU threads of each CPU worker; 0 = the cores divided between the trainer and the CPU workers."""
-    in_flight_updates: bool = False
-    """async, local backend, an engine that can (hf, vllm-server): a worker also loads newer weights between decode
-    chunks (every 8 tokens) of a response, recomputing its KV cache, so a response can span versions (each token
-    records its own)."""
-    worker_timeout_s: float = 600.0
-    """async: a worker that returns nothing for this long (starting included) is reported as hung, by index."""
-
-    def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "group_size", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                _fail(f"rollout.{name}", f"expected >= 1, got {getattr(self, name)}")
-        _positive("rollout", temperature=self.temperature)
-        if self.engine_lag < 0:
-            _fail("rollout.engine_lag", f"expected >= 0, got {self.engine_lag}")
-        if self.max_staleness < 0:
-            _fail("rollout.max_staleness", f"expected >= 0, got {self.max_staleness}")
-        if self.worker_threads < 0:
-            _fail("rollout.worker_threads", f"expected >= 0, got {self.worker_threads}")
-        _positive("rollout", worker_timeout_s=self.worker_timeout_s)
-        if self.mode == "async" and self.engine_lag:
-            _fail("rollout.engine_lag", "is the synchronous stand-in for staleness; with rollout.mode async use "
-                                        "rollout.max_staleness")
-        if self.in_flight_updates and (self.backend != "local" or self.quantization != "none"):
-            _fail("rollout.in_flight_updates", "needs rollout.backend local and rollout.quantization none")
-        if self.fleet:
-            check_fleet(self)
-        elif self.engine != "auto":
-            check_engine(self, self.engine)
-        for name in ("devices", "backend", "ray_address", "in_flight_updates"):
-            if self.mode == "sync" and getattr(self, name) != getattr(RolloutConfig, name):
-                _fail(f"rollout.{name}", "needs rollout.mode async")
-        for device in self.device_list:
-            if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-                _fail("rollout.devices", f"{device!r} is not a device (expected cpu, cuda or cuda:N, comma-separated)")
-        if self.hf.fp8_activations and self.quantization != "fp8" and not any(
-                m.kind == "hf" and m.fp8 for m in self.fleet_members):
-            _fail("rollout.hf.fp8_activations", "needs rollout.quantization fp8 (or an hf member KIND:DTYPE:fp8 of "
-                                                "rollout.fleet)")
-        if self.top_k_logprobs is not None and self.top_k_logprobs < 0:
-            _fail("rollout.top_k_logprobs", f"expected >= 0, got {self.top_k_logprobs}")
-
-    @property
-    def fleet_members(self) -> tuple[FleetMember, ...]:
-        """The members of rollout.fleet, in order (member j's metrics are `*_engine_{j}`); () without a fleet."""
-        return parse_fleet(self.fleet)
-
-    @property
-    def engine_kinds(self) -> tuple[str, ...]:
-        """The engine kinds the run uses: its fleet members' (in order, once each), or rollout.engine (every kind
-        while it is auto)."""
-        if self.fleet:
-            return tuple(dict.fromkeys(m.kind for m in self.fleet_members))
-        return tuple(ENGINES) if self.engine == "auto" else (self.engine,)
-
-    @property
-    def device_list(self) -> list[str]:
-        """The rollout workers' devices (async), one entry per worker; [] = one worker on the trainer's device."""
-        return [d.strip() for d in self.devices.split(",")] if self.devices.strip() else []
-
-
-RolloutConfig = dataclasses.make_dataclass(
-    "RolloutConfig", [(s.node(), s, field(default_factory=s)) for s in ENGINES.values()], bases=(_RolloutSettings,),
-    frozen=True, namespace={"__doc__": _RolloutSettings.__doc__, "__module__": __name__})
-"""The `rollout` section: the fields of `_RolloutSettings` plus one node per engine kind, made from the registry
-(adding an engine to `dppo.rollout.settings.ENGINES` adds its node and its `--rollout.<node>.*` flags)."""
 
 
 @dataclass(frozen=True)
@@ -511,14 +373,7 @@ class Config:
         if needs_topk(self.loss.trust_region) and self.top_k_logprobs < 1:
             _fail("rollout.top_k_logprobs", f"trust region {self.loss.trust_region!r} needs µ's top-K log-probs: "
                                             f"set >= 1 (or leave it unset for {DEFAULT_TOP_K})")
-        chosen = self.rollout.engine != "auto" or self.rollout.fleet  # (auto: checked again once it has chosen)
-        for kind in self.rollout.engine_kinds if chosen and self.top_k_logprobs else ():
-            if not ENGINES[kind].can_record_top_k:
-                _fail("rollout.fleet" if self.rollout.fleet else "rollout.top_k_logprobs",
-                      f"the {kind} engine does not record µ's top-K log-probs (K = {self.top_k_logprobs})")
-        if len(self.rollout.fleet_members) > self.rollout.prompts_per_step:
-            _fail("rollout.fleet", f"{len(self.rollout.fleet_members)} members but rollout.prompts_per_step = "
-                                   f"{self.rollout.prompts_per_step}: every member needs at least one prompt per step")
+        check_run_engines(self.rollout, top_k=self.top_k_logprobs, lora_rank=self.model.lora_rank)
         if self.model.gradient_checkpointing and self.train.scoring_layout == "shared":
             _fail("train.scoring_layout", "'shared' needs the prompts' KV cache, which checkpointed layers do not "
                                           "keep (model.gradient_checkpointing); use 'packed' or 'auto'")
@@ -528,7 +383,7 @@ class Config:
             _fail("train.mini_batches", f"{self.train.mini_batches} mini-batches > {self.rollout.prompts_per_step} prompts per step")
         if self.rollout.prompts_per_step % self.train.mini_batches:
             _fail("train.mini_batches", f"must divide rollout.prompts_per_step={self.rollout.prompts_per_step} (groups stay whole)")
-        workers = max(1, len(self.rollout.device_list))
+        workers = len(self.rollout.device_list) or len(self.rollout.engines)
         if self.rollout.mode == "async" and workers > self.rollout.prompts_per_step:
             _fail("rollout.devices", f"{workers} rollout workers but rollout.prompts_per_step = "
                                      f"{self.rollout.prompts_per_step}: every worker needs at least one prompt per step")
@@ -536,14 +391,6 @@ class Config:
         check_episodes(self)
         if self.loss.anchor == "recompute" and self.loss.loss == "drpo":
             _fail("loss.anchor", "drpo has no mask to anchor")
-        if self.rollout.vllm_server.lora_sync == "adapter" and self.rollout.fleet:
-            _fail("rollout.fleet", "rollout.vllm_server.lora_sync 'adapter' would send every member only the "
-                                   "adapter; use 'merged' with a fleet")
-        if self.rollout.vllm_server.lora_sync == "adapter" and not self.model.lora_rank:
-            _fail("rollout.vllm_server.lora_sync", "'adapter' needs a LoRA run (model.lora_rank > 0)")
-        if self.rollout.vllm_server.lora_sync == "adapter" and self.rollout.quantization != "none":
-            _fail("rollout.vllm_server.lora_sync", "'adapter' sends no base weights to quantise; use "
-                                                   "rollout.quantization none")
 
     @property
     def episode_settings(self):
@@ -564,13 +411,10 @@ class Config:
 
     # -------- (de)serialisation --------
     def to_dict(self) -> dict[str, Any]:
-        """The config as plain data; the rollout section holds only the nodes of the run's engines (its engine's, its
-        fleet members', every node while rollout.engine is auto without a fleet): the settings of an engine the run
-        does not use do not exist."""
+        """The config as plain data; rollout.engines as a list of mappings, each engine's kind's settings beside its
+        kind, dtype, fp8 and lag (`EngineNode.to_dict`)."""
         data = dataclasses.asdict(self)
-        for kind, settings in ENGINES.items():
-            if kind not in self.rollout.engine_kinds:
-                del data["rollout"][settings.node()]
+        data["rollout"]["engines"] = [node.to_dict() for node in self.rollout.engines]
         return data
 
     def save(self, path: str | Path) -> None:
@@ -615,7 +459,11 @@ def _section(section_cls, name: str, values: dict[str, Any], source: str):
     if bad:
         raise ConfigError(f"{name}.{sorted(bad)[0]}: unknown field in {source}")
     for key, value in values.items():
-        if key in nodes:
+        if section_cls is RolloutConfig and key == "engines":
+            if not isinstance(value, (list, tuple)) or not value:
+                raise ConfigError(f"{name}.engines: expected a list of one or more engines in {source}, got {value!r}")
+            values[key] = tuple(EngineNode.from_dict(v, f"{name}.engines[{j}]") for j, v in enumerate(value))
+        elif key in nodes:
             values[key] = _section(nodes[key], f"{name}.{key}", dict(value or {}), source)
         elif isinstance(value, list):
             values[key] = tuple(value)
@@ -636,10 +484,15 @@ def _plain(value):
 
 def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
     """Return cfg with some fields of some sections replaced: replace(cfg, loss={"trust_region": "ppo_clip"}); a node
-    takes a dict of its fields: replace(cfg, rollout={"engine": "hf", "hf": {"max_batch_rows": 4}})."""
+    takes a dict of its fields. The rollout's engines also take the command line's spellings, parsed into the list
+    in one place (`dppo.train.engine_flags.with_flags`): replace(cfg, rollout={"engine": "hf", "dtype": "float32",
+    "hf": {"max_batch_rows": 4}}), replace(cfg, rollout={"fleet": "hf:float32,hf:bfloat16"})."""
     updates = {}
     for name, values in sections.items():
         section = getattr(cfg, name)
+        if name == "rollout" and set(values) & FLAG_FIELDS:
+            updates[name] = with_flags(section, values)
+            continue
         values = {k: dataclasses.replace(getattr(section, k), **v) if isinstance(v, dict)
                   and dataclasses.is_dataclass(getattr(section, k)) else v for k, v in values.items()}
         updates[name] = dataclasses.replace(section, **values)

@@ -149,7 +149,8 @@ def evaluate_checkpoints(cfg: Config, run_dir: Path | None, *, step: int | None 
                 origin, at = str(folder), _step_of(folder)
             if source is None:
                 source = EngineSource(build_rollout_engine(cfg), None, weights=engine_state(model), version=at,
-                                      start_position=0, episodes=build_episodes(cfg, task))
+                                      start_position=0, episodes=build_episodes(cfg, task),
+                                      lags=[0] * len(cfg.rollout.engines))
             else:
                 source.publish(at, engine_state(model))
             result = evaluate(source, list(task.eval), params, pad_id=pad, ks=ks, vote=vote)

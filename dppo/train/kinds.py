@@ -1,66 +1,72 @@
-"""The run's component choices checked against the settings of every kind: the engine (rollout.engine, one node per
-`dppo.rollout.settings.ENGINES` entry) and the episode kind (rollout.episodes, one config section per
-`dppo.episodes.settings.EPISODE_KINDS` entry that has settings). The settings of a kind the run does not use are
-refused naming the field and the kind that takes them, and what a chosen kind cannot do (declared on its settings
-class) is refused naming the field; `choose` switches a config to another kind, from that kind's defaults.
-Generic over the registries: adding an engine or an episode kind changes nothing here."""
+"""The run's component choices checked against the settings of every kind: the engines (rollout.engines, each node of
+a kind in `dppo.rollout.settings.ENGINES`) and the episode kind (rollout.episodes, one config section per
+`dppo.episodes.settings.EPISODE_KINDS` entry that has settings). What a chosen kind cannot do (declared on its
+settings class) is refused naming the field, and the settings of an episode kind the run does not use are refused
+naming the field and the kind that takes them; `choose` switches a config to another episode kind, from that kind's
+defaults. Generic over the registries: adding an engine or an episode kind changes nothing here."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 from dppo._checks import config_fail
 from dppo.episodes.settings import EPISODE_KINDS
 from dppo.rollout.settings import ENGINES
 
 
-def check_engine(rollout, *engines: str) -> None:
-    """ConfigError naming the field for what each of `engines` (resolved kinds: the run's engine, or its fleet's
-    kinds) cannot do, read from its settings class (in-flight updates; async rollouts need an engine that receives
-    weights), and for a setting of another engine: each engine's settings live in its own node, and a node of an
-    engine the run does not use keeps its defaults."""
-    for engine in engines:
-        settings = ENGINES[engine]
+def check_engines(rollout) -> None:
+    """ConfigError naming the field for what the rollout's engines (`rollout.engines`, resolved kinds; an engine
+    still auto is checked once resolved) cannot do, read from each kind's settings class: update in flight, receive
+    weights (async rollouts need it after every optimiser step), two engines of a kind that allows one (`exclusive`)
+    or two that would share what they cannot (`shared_with`: the same server); fp8 weights beside in-flight updates;
+    several engines in one process (sync) with multi-turn episodes (an episode's turns are separate engine calls,
+    which `dppo.rollout.fleet` would deal to different engines); fewer async workers than engines."""
+    nodes = [(j, n) for j, n in enumerate(rollout.engines) if n.resolved]
+    for j, node in nodes:
+        settings = ENGINES[node.kind]
         if rollout.in_flight_updates and not settings.can_update_in_flight:
             can = ", ".join(k for k, s in ENGINES.items() if s.can_update_in_flight)
-            config_fail("rollout.in_flight_updates", f"the {engine} engine cannot update in flight ({can} can)")
+            config_fail("rollout.in_flight_updates", f"the {node.kind} engine cannot update in flight ({can} can)")
         if rollout.mode == "async" and not settings.can_receive_weights:
-            config_fail("rollout.engine", f"{engine!r} cannot receive weights, which rollout.mode async needs after "
+            config_fail("rollout.engine", f"{node.kind!r} cannot receive weights, which rollout.mode async needs after "
                                           f"every optimiser step")
-    for kind, settings in ENGINES.items():
-        node = getattr(rollout, settings.node())
-        if kind in engines or node == settings():
+        if settings.exclusive and sum(n.kind == node.kind for _, n in nodes) > 1:
+            config_fail("rollout.engines", f"at most one {node.kind} engine: {settings.exclusive}")
+        for i, other in nodes[:j]:
+            shared = other.kind == node.kind and node.settings.shared_with(other.settings)
+            if shared:
+                config_fail(f"rollout.engines[{j}]", f"engines {i} and {j} would share {shared}")
+    if rollout.in_flight_updates and any(n.fp8 for n in rollout.engines):
+        config_fail("rollout.in_flight_updates", "needs engines without fp8 weights (rollout.quantization none)")
+    many = len(rollout.engines) > 1
+    if many and rollout.mode == "sync" and rollout.episodes != "single":
+        config_fail("rollout.fleet", f"several engines in one process need rollout.episodes single, got "
+                                     f"{rollout.episodes!r} (an episode's turns are separate engine calls: its turns "
+                                     f"and its group would go to different engines); rollout.mode async gives each "
+                                     f"worker one engine")
+    if rollout.mode == "async" and 0 < len(rollout.device_list) < len(rollout.engines):
+        config_fail("rollout.devices", f"{len(rollout.device_list)} rollout workers for {len(rollout.engines)} "
+                                       f"engines: worker i holds engine i mod M, so every engine needs a worker")
+
+
+def check_run_engines(rollout, *, top_k: int, lora_rank: int) -> None:
+    """ConfigError naming the field for what the engines refuse beside the rest of the run: µ's top-K an engine
+    cannot record, what a kind refuses of its engine (`EngineSettings.check_node`: e.g. fp8 activations without fp8
+    weights, adapter sync without LoRA), engines that take the adapter beside engines that take merged weights, and
+    more engines than prompts per step (sync: every engine samples whole prompts)."""
+    for j, node in enumerate(rollout.engines):
+        if not node.resolved:
             continue
-        name = next(f.name for f in dataclasses.fields(node) if getattr(node, f.name) != getattr(settings(), f.name))
-        used = f"rollout.fleet has no {kind} member" if rollout.fleet else \
-            f"the run's engine is {engines[0]!r} (rollout.engine)"
-        config_fail(f"rollout.{settings.node()}.{name}", f"a setting of the {kind} engine, but {used}")
-
-
-def check_fleet(rollout) -> None:
-    """ConfigError naming rollout.fleet for what a fleet cannot do (`dppo.rollout.fleet`): rollout.engine, dtype or
-    quantization set beside it (each member names its own), async rollouts or in-flight updates, multi-turn
-    episodes, two in-process vLLM engines, two vllm-server members on the same given servers; then `check_engine`
-    over its members' kinds."""
-    members = rollout.fleet_members
-    for name, free in (("engine", "auto"), ("dtype", "auto"), ("quantization", "none")):
-        if getattr(rollout, name) != free:
-            config_fail("rollout.fleet", f"each member names its engine, dtype and fp8 (KIND:DTYPE[:fp8]): leave "
-                                         f"rollout.{name} {free} (got {getattr(rollout, name)!r})")
-    if rollout.mode != "sync" or rollout.in_flight_updates:
-        config_fail("rollout.fleet", "needs rollout.mode sync without in-flight updates (a rollout worker holds one "
-                                     "engine)")
-    if rollout.episodes != "single":
-        config_fail("rollout.fleet", f"needs rollout.episodes single, got {rollout.episodes!r} (an episode's turns are "
-                                     f"separate engine calls: its turns and its group would go to different members)")
-    if sum(m.kind == "vllm" for m in members) > 1:
-        config_fail("rollout.fleet", "at most one in-process vllm member (vLLM's offline engines share this "
-                                     "process's random state); use vllm-server members for more")
-    if sum(m.kind == "vllm-server" for m in members) > 1 and rollout.vllm_server.urls:
-        config_fail("rollout.fleet", "two vllm-server members would share the servers of rollout.vllm_server.urls; "
-                                     "leave urls '' (each member starts its own) or use one vllm-server member")
-    check_engine(rollout, *dict.fromkeys(m.kind for m in members))
+        if top_k and not ENGINES[node.kind].can_record_top_k:
+            config_fail("rollout.top_k_logprobs", f"the {node.kind} engine does not record µ's top-K log-probs "
+                                                  f"(K = {top_k})")
+        node.settings.check_node(node, lora_rank=lora_rank, engines=rollout.engines)
+    adapters = {n.settings is not None and n.settings.takes_adapter() for n in rollout.engines}
+    if len(adapters) > 1:
+        config_fail("rollout.vllm_server.lora_sync", "'adapter' in one engine and merged weights in another: the "
+                                                     "trainer sends one of the two to every engine")
+    if rollout.mode == "sync" and len(rollout.engines) > rollout.prompts_per_step:
+        config_fail("rollout.fleet", f"{len(rollout.engines)} engines but rollout.prompts_per_step = "
+                                     f"{rollout.prompts_per_step}: every engine needs at least one prompt per step")
 
 
 def check_episodes(cfg) -> None:
@@ -79,22 +85,12 @@ def check_episodes(cfg) -> None:
     cfg.episode_settings.check_run(max_new_tokens=cfg.rollout.max_new_tokens)
 
 
-def choose(cfg, *, engine: str | None = None, episodes: str | None = None, fleet: str | None = None):
-    """`cfg` with another engine, fleet or episode kind chosen, the settings of the kinds no longer chosen back at
-    their defaults (the command line's `--rollout.engine` / `--rollout.fleet` / `--rollout.episodes` over a preset or
-    config of another kind start from here; a fleet also sets rollout.engine and rollout.dtype auto and
-    rollout.quantization none, which its members name instead). A name that is no kind changes nothing (the command
-    line's parser then names it)."""
-    rollout: dict[str, Any] = {}
-    if engine in ENGINES and engine != cfg.rollout.engine:
-        rollout = {"engine": engine, **{s.node(): s() for k, s in ENGINES.items() if k != engine}}
-    if fleet and fleet != cfg.rollout.fleet:
-        kinds = {item.split(":")[0].strip() for item in fleet.split(",")}
-        rollout = {"engine": "auto", "dtype": "auto", "quantization": "none",
-                   **{s.node(): s() for k, s in ENGINES.items() if k not in kinds}}
-    sections = {}
-    if episodes in EPISODE_KINDS and episodes != cfg.rollout.episodes:
-        rollout["episodes"] = episodes
-        sections = {kind: settings() for kind, settings in EPISODE_KINDS.items()
-                    if kind != episodes and hasattr(cfg, kind)}
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout), **sections)
+def choose(cfg, *, episodes: str | None = None):
+    """`cfg` with another episode kind chosen, the settings of the kinds no longer chosen back at their defaults (the
+    command line's `--rollout.episodes` over a preset or config of another kind starts from here; an engine chosen on
+    the command line starts from its kind's settings the same way, `dppo.train.engine_flags.engines_of`). A name that
+    is no kind changes nothing (the command line's parser then names it)."""
+    if episodes not in EPISODE_KINDS or episodes == cfg.rollout.episodes:
+        return cfg
+    sections = {kind: settings() for kind, settings in EPISODE_KINDS.items() if kind != episodes and hasattr(cfg, kind)}
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, episodes=episodes), **sections)

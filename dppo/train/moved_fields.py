@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from dppo._checks import ConfigError
+from dppo.train.engine_flags import with_flags
+from dppo.train.rollout_config import RolloutConfig
 
 
 MOVED = {
@@ -64,9 +66,32 @@ def check_moved(data: dict[str, Any], source: str) -> None:
             found.append(f"{kind}.name chooses nothing now: the episode kind is rollout.episodes ({kind})")
     if "episodes" not in rollout and (data.get("agent") or {}).get("name") and "max_tokens" in (data.get("env") or {}):
         found.append("env.max_tokens (an agent's row) is now agent.max_tokens")
+    found += _moved_engine_fields(rollout)
     if found:
         raise ConfigError(f"{found[0].split()[0]}: {source} was written by an older dppo; edit it: "
                           + "; ".join(found))
+
+
+ENGINE_FIELDS = ("engine", "dtype", "quantization", "fleet", "engine_lag", "hf", "vllm", "vllm_server")
+"""The rollout fields of an older dppo that chose the engines: a config file lists its engines now (rollout.engines;
+the command line keeps them as flags, `dppo.train.engine_flags`)."""
+
+
+def _moved_engine_fields(rollout: dict[str, Any]) -> list[str]:
+    """The line naming the old engine fields of a config file's rollout section and the list they spell."""
+    old = [name for name in ENGINE_FIELDS if name in rollout]
+    if not old:
+        return []
+    names = ", ".join(f"rollout.{name}" for name in old)
+    try:
+        given = {k: rollout[k] for k in old if rollout[k] is not None}
+        engines = with_flags(RolloutConfig(), given).engines
+        spelled = "[" + ", ".join("{" + ", ".join(f"{k}: {v}" for k, v in n.to_dict().items()) + "}"
+                                  for n in engines) + "]"
+        return [f"{names} are now rollout.engines, a list of engines: engines: {spelled}"]
+    except (ValueError, TypeError):  # (the old values were invalid too: name the new shape)
+        return [f"{names} are now rollout.engines, a list of engines, each {{kind, dtype, fp8, lag, its kind's "
+                f"settings}}"]
 
 
 def check_moved_flags(args: list[str]) -> None:
@@ -83,6 +108,7 @@ def check_moved_flags(args: list[str]) -> None:
     found += [f"--{moved.replace(' is now ', ' is now --', 1)}" for moved in moved_values(lambda *key: given[key])]
     if found:
         raise ConfigError(f"{found[0].split()[0]}: a flag of an older dppo; " + "; ".join(found))
+
 
 def _flag_value(args: list[str], flag: str) -> str | None:
     """The last value of `flag` in `args` (`--flag value` or `--flag=value`), None when absent."""

@@ -1,7 +1,7 @@
 """The run config resolved on this machine: every `auto` decided once, with its reason, and every path made
 absolute, so a run directory's config.yaml says exactly what the run used and resumes the same anywhere.
 
-`resolve_rollout` and `resolve_precision` are the one place the engine, the engine dtype and the training precision
+`resolve_node` and `resolve_precision` are the one place the engine, the engine dtype and the training precision
 are decided (`dppo.runtime.hardware` gives the reasons); `resolve_config` writes their values into the config, and
 everything after it (the engine spec, the rollout checks, the workers) reads the resolved config.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dppo.episodes.settings import EPISODE_KINDS
-from dppo.rollout.fleet import fleet_line
+from dppo.rollout.settings import EngineNode
 from dppo.runtime import hardware
 from dppo.runtime.hardware import describe
 from dppo.runtime.models import BUILTIN_MODELS
@@ -33,12 +33,22 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_rollout(cfg: Config) -> tuple:
-    """(engine, engine dtype, warning or None) for this machine: `rollout.engine/dtype: auto` resolved by
-    `dppo.runtime.hardware`, each with its reason."""
+def resolve_node(node: EngineNode, device: torch.device) -> tuple:
+    """(engine, engine dtype, warning or None) of one engine of rollout.engines on this machine: kind and dtype
+    `auto` resolved by `dppo.runtime.hardware`, each with its reason."""
+    dtype, warning = hardware.resolve_dtype(node.dtype, device)
+    return hardware.resolve_engine(node.kind, dtype.value, device), dtype, warning
+
+
+def resolve_engines(cfg: Config) -> tuple[EngineNode, ...]:
+    """The run's engines with no `auto` left (an engine auto becomes the chosen kind with its defaults)."""
     device = resolve_device(cfg.model.device)
-    dtype, warning = hardware.resolve_dtype(cfg.rollout.dtype, device)
-    return hardware.resolve_engine(cfg.rollout.engine, dtype.value, device), dtype, warning
+    resolved = []
+    for node in cfg.rollout.engines:
+        engine, dtype, _ = resolve_node(node, device)
+        settings = node.settings if engine.value == node.kind else None
+        resolved.append(dataclasses.replace(node, kind=engine.value, dtype=dtype.value, settings=settings))
+    return tuple(resolved)
 
 
 def resolve_precision(cfg: Config) -> tuple:
@@ -83,32 +93,33 @@ def resolve_config(cfg: Config) -> Config:
     nothing). Every file the run reads is an absolute path (`absolute_paths`, against the current directory); with
     an environment or an agent, task.reward is '' (the episodes score themselves: a reward given is not used, and
     the run says so at start, `resolution_notes`)."""
-    engine, dtype, _ = resolve_rollout(cfg)
     precision, _ = resolve_precision(cfg)
     cfg = replace(absolute_paths(cfg, Path.cwd()), model={"precision": precision.value})
     if not cfg.episode_settings.scored_by_task:  # the environment / agent scores each episode: task.reward unused
         cfg = replace(cfg, task={"reward": ""})
-    rollout = {"engine": engine.value, "dtype": dtype.value} if not cfg.rollout.fleet else \
-        {"fleet": ",".join(map(str, cfg.rollout.fleet_members))}  # (a fleet's members name their engines and dtypes)
-    return replace(cfg, rollout={**rollout, "top_k_logprobs": cfg.top_k_logprobs}, loss=cfg.loss.spec().to_dict())
+    return replace(cfg, rollout={"engines": resolve_engines(cfg), "top_k_logprobs": cfg.top_k_logprobs},
+                   loss=cfg.loss.spec().to_dict())
 
 
 def announce_rollout(cfg: Config, announce, *, training: bool = False) -> None:
-    """Say which engine and dtype `auto` chose and why (and the emulated-bf16 warning), or with rollout.fleet each
-    member under the index its metrics carry (`engine_{j}`, with the warning of each emulated-bf16 member);
-    `training`: the training precision too (the trainer's start; evaluation and tools only sample)."""
-    engine, dtype, warning = resolve_rollout(cfg)
+    """Say which engine and dtype `auto` chose and why (and the emulated-bf16 warning), or with several engines each
+    under the index its metrics carry (`engine_{j}`, with the warning of each emulated-bf16 one); `training`: the
+    training precision too (the trainer's start; evaluation and tools only sample)."""
+    device = resolve_device(cfg.model.device)
+    chosen = [resolve_node(node, device) for node in cfg.rollout.engines]
     precision, precision_warning = resolve_precision(cfg) if training else (None, None)
-    lines = [describe(engine, dtype, precision), warning and f"[dppo] warning: {warning}"]
-    if cfg.rollout.fleet:
-        device = resolve_device(cfg.model.device)
-        warnings = {hardware.resolve_dtype(m.dtype, device)[1] for m in cfg.rollout.fleet_members} - {None}
-        lines = [fleet_line(cfg.rollout.fleet_members) + (f"; training precision {precision.value} "
-                                                          f"({precision.reason})" if precision else ""),
-                 *(f"[dppo] warning: {w} (rollout.fleet)" for w in sorted(warnings))]
-    for line in (*lines, precision_warning and f"[dppo] warning: {precision_warning}"):
-        if line and announce is not None:
-            announce(line)
+    trained = f"; training precision {precision.value} ({precision.reason})" if precision else ""
+    if len(chosen) == 1:
+        (engine, dtype, _), = chosen
+        line = describe(engine, dtype, precision)
+    else:
+        line = "[dppo] rollout: engines " + ", ".join(
+            f"engine_{j} = {dataclasses.replace(node, kind=e.value, dtype=d.value, settings=None).describe()}"
+            for j, (node, (e, d, _)) in enumerate(zip(cfg.rollout.engines, chosen))) + trained
+    warnings = dict.fromkeys(w for _, _, w in chosen if w)
+    for text in (line, *(f"[dppo] warning: {w}" for w in warnings), precision_warning and f"[dppo] warning: {precision_warning}"):
+        if text and announce is not None:
+            announce(text)
 
 
 def resolution_notes(requested: Config) -> list[str]:

@@ -1,4 +1,4 @@
-"""The rollout from a resolved `Config`: the `EngineSpec` of the run's engine (or of each member of its fleet), the
+"""The rollout from a resolved `Config`: the `EngineSpec` of each of the run's engines (`rollout.engines`), the
 in-process engine built from it, the checks of the rollout set-up on this machine, and the trainer's rollout source
 (an engine in this process, or rollout workers).
 
@@ -9,67 +9,62 @@ arguments.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from pathlib import Path
 
 import torch
 
 from dppo.rollout.async_source import AsyncSource
-from dppo.rollout.fleet import FleetEngine, FleetMember
+from dppo.rollout.fleet import fleet_of
 from dppo.rollout.remote import start_pool
-from dppo.rollout.settings import ENGINES, Adapter
+from dppo.rollout.settings import Adapter
 from dppo.rollout.source import EngineSource
-from dppo.rollout.spec import EngineSpec, build_engine
+from dppo.rollout.spec import EngineSpec
 from dppo.train.build import model_spec
 from dppo.train.config import Config, ConfigError
-from dppo.train.resolve import resolve_device, resolve_rollout
+from dppo.train.resolve import resolve_device, resolve_engines
 
 
-def engine_spec(cfg: Config, *, device: str | None = None, seed_offset: int = 0, run_dir: Path | None = None,
-                member: FleetMember | None = None):
-    """The `EngineSpec` of a resolved run config (`dppo.train.resolve.resolve_config`): what an in-process engine
-    and every rollout worker are built from, the chosen engine's settings node carried as it is. device: the
-    engine's (default: the trainer's). run_dir: where an engine with server processes writes their logs
-    (<run_dir>/servers; default a temporary folder). member: a fleet member's spec instead (its kind's node, its
-    dtype and fp8; `fleet_specs`)."""
+ENGINE_SEED_STRIDE = 7919
+"""Engine j's seed: train.seed + rank + j·ENGINE_SEED_STRIDE (engine 0's is the run's seed)."""
+
+
+def engine_specs(cfg: Config, *, device: str | None = None, seed_offset: int = 0,
+                 run_dir: Path | None = None) -> list[EngineSpec]:
+    """One `EngineSpec` per engine of a resolved run config (`dppo.train.resolve.resolve_config`), in order: what an
+    in-process engine and every rollout worker are built from, each engine's settings node carried as it is, with
+    its dtype, fp8, lag, index and its own seed. device: the engines' (default: the trainer's). run_dir: where an
+    engine with server processes writes their logs (<run_dir>/servers, engine j of several in
+    <run_dir>/servers/engine_{j}; default a temporary folder)."""
     r, m = cfg.rollout, cfg.model
-    if member is None:
-        engine, dtype, _ = resolve_rollout(cfg)  # "as configured" for a resolved config
-        member = FleetMember(engine.value, dtype.value, fp8=r.quantization == "fp8")
     adapter = Adapter(m.lora_rank, m.lora_alpha, tuple(m.lora_target_modules)) if m.lora_rank else None
-    return EngineSpec(model_spec(cfg), settings=getattr(r, ENGINES[member.kind].node()), dtype=member.dtype,
-                      device=device or resolve_device(m.device).type, seed=cfg.train.seed + seed_offset,
-                      top_k_logprobs=cfg.top_k_logprobs, quantization="fp8" if member.fp8 else "none",
-                      log_dir=str(Path(run_dir) / "servers") if run_dir is not None else None, adapter=adapter,
-                      versions_in_flight=r.max_staleness + 2 if r.mode == "async" else 2)
+    nodes = resolve_engines(cfg)  # ("as configured" for a resolved config)
+    logs = [None if run_dir is None else Path(run_dir) / "servers" / (f"engine_{j}" if len(nodes) > 1 else "")
+            for j in range(len(nodes))]
+    return [EngineSpec(model_spec(cfg), settings=node.settings, dtype=node.dtype,
+                       device=device or resolve_device(m.device).type,
+                       seed=cfg.train.seed + seed_offset + ENGINE_SEED_STRIDE * j, top_k_logprobs=cfg.top_k_logprobs,
+                       quantization="fp8" if node.fp8 else "none", log_dir=log and str(log), adapter=adapter,
+                       versions_in_flight=r.max_staleness + node.lag + 2 if r.mode == "async" else 2,
+                       lag=node.lag, index=j)
+            for j, (node, log) in enumerate(zip(nodes, logs))]
 
 
-FLEET_SEED_STRIDE = 7919
-"""Fleet member j's engine seed: train.seed + rank + j·FLEET_SEED_STRIDE."""
-
-
-def fleet_specs(cfg: Config, *, seed_offset: int = 0, run_dir: Path | None = None) -> list:
-    """One `EngineSpec` per member of rollout.fleet, in order (each with its own seed and, for a member with server
-    processes, its own log folder <run_dir>/servers/engine_{j})."""
-    specs = [engine_spec(cfg, seed_offset=seed_offset + FLEET_SEED_STRIDE * j, run_dir=run_dir, member=member)
-             for j, member in enumerate(cfg.rollout.fleet_members)]
-    return [dataclasses.replace(s, log_dir=s.log_dir and str(Path(s.log_dir) / f"engine_{j}"))
-            for j, s in enumerate(specs)]
+def engine_spec(cfg: Config, **kwargs) -> EngineSpec:
+    """The `EngineSpec` of the run's first engine (`engine_specs`; the only one of most runs)."""
+    return engine_specs(cfg, **kwargs)[0]
 
 
 def build_rollout_engine(cfg: Config, *, seed_offset: int = 0, run_dir: Path | None = None):
-    """The run's in-process engine with the initial weights of the model: its fleet (`FleetEngine`, rollout.fleet) or
-    its one engine (`engine_spec`)."""
-    if cfg.rollout.fleet:
-        return FleetEngine.from_specs(fleet_specs(cfg, seed_offset=seed_offset, run_dir=run_dir))
-    return build_engine(engine_spec(cfg, seed_offset=seed_offset, run_dir=run_dir))
+    """The run's in-process engines with the initial weights of the model, as one engine (`fleet_of`: one engine is
+    itself, several a `FleetEngine`)."""
+    return fleet_of(engine_specs(cfg, seed_offset=seed_offset, run_dir=run_dir))
 
 
 def check_rollout(cfg: Config, trainer_device: torch.device) -> None:
     """ConfigError naming the field for a rollout set-up that cannot work on this machine, before any model
     loads: rollout.mode async with a device this machine does not have, or Ray not installed (what the engine can
-    do is checked with the config, `dppo.train.kinds.check_engine`)."""
+    do is checked with the config, `dppo.train.kinds.check_engines`)."""
     r = cfg.rollout
     if r.mode != "async":
         return
@@ -85,28 +80,28 @@ def check_rollout(cfg: Config, trainer_device: torch.device) -> None:
 
 
 def worker_devices(cfg: Config, trainer_device: torch.device) -> list[str]:
-    """async: one device per rollout worker: rollout.devices, or one worker on the trainer's device type."""
-    return cfg.rollout.device_list or [trainer_device.type]
+    """async: one device per rollout worker: rollout.devices, or one worker per engine on the trainer's device type."""
+    return cfg.rollout.device_list or [trainer_device.type] * len(cfg.rollout.engines)
 
 
 def build_source(cfg: Config, episodes, *, draw, weights: dict[str, torch.Tensor], version: int, position: int,
                  device: torch.device, rank: int = 0, announce=None, run_dir: Path | None = None):
     """The trainer's `RolloutSource` for rollout.mode, running `episodes` (`build_episodes`) and holding `weights`
-    as version `version`: an engine in this process (sync; `rollout.engine_lag` versions behind) or rollout workers
-    (async). draw(step) -> `Draw`: the trainer's prompt draw; position: the prompt sampler's position now.
+    as version `version`: the engines in this process (sync; each its `lag` versions behind) or rollout workers
+    (async; worker i holds engine i mod M). draw(step) -> `Draw`: the trainer's prompt draw; position: the prompt sampler's position now.
     announce: called with the workers' line (the engine choice is announced by the caller, from the config as the
     user gave it: `announce_rollout`)."""
     r = cfg.rollout
     if r.mode == "sync":  # ranks sample differently: engine seed train.seed + rank
         engine = build_rollout_engine(cfg, seed_offset=rank, run_dir=run_dir)
-        return EngineSource(engine, draw, weights=weights, version=version, start_position=position, lag=r.engine_lag,
-                            episodes=episodes)
+        return EngineSource(engine, draw, weights=weights, version=version, start_position=position,
+                            lags=[n.lag for n in r.engines], episodes=episodes)
 
-    pool = start_pool(r.backend, engine_spec(cfg, run_dir=run_dir), worker_devices(cfg, device), weights, version,
+    pool = start_pool(r.backend, engine_specs(cfg, run_dir=run_dir), worker_devices(cfg, device), weights, version,
                       threads=r.worker_threads, timeout_s=r.worker_timeout_s, seed_offset=1000 * rank,
                       in_flight=r.in_flight_updates, address=r.ray_address)
     if announce is not None:
         announce(f"[dppo] rollout: async, max_staleness {r.max_staleness}, {r.backend} backend, "
                  + "; ".join(pool.name(i) for i in range(len(pool.devices))))
-    return AsyncSource(pool, draw, max_staleness=r.max_staleness, start_step=version, start_position=position,
-                       episodes=episodes)
+    return AsyncSource(pool, draw, max_staleness=r.max_staleness, max_lag=r.max_lag, start_step=version,
+                       start_position=position, episodes=episodes)

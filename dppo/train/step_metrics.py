@@ -28,7 +28,7 @@ class StepAccumulator:
     def __init__(self, device: torch.device, max_staleness: int = 0, max_turns: int = 0, engines: int = 0) -> None:
         self.max_staleness = max_staleness  # the mismatch and masked fraction per staleness 0..k
         self.max_turns = max_turns  # ... and per turn 0..max_turns-1 of multi-turn episodes
-        self.engines = engines  # ... and per fleet member 0..engines-1 (rollout.fleet; 0 = one engine, no split)
+        self.engines = engines  # ... and per fleet member 0..engines-1 (rollout.engines; one engine: no split)
         self.means = metrics.WeightedMeans()
         self.ratio_max = torch.zeros((), device=device)
         self.grad_norms: list[Tensor] = []
@@ -85,7 +85,7 @@ class StepAccumulator:
         splits = []  # per turn of an episode (generated tokens only), per fleet member: (name, group index, groups)
         if self.max_turns and batch.turn_index is not None:
             splits.append(("turn", batch.turn_index[rows], self.max_turns))
-        if self.engines and batch.engine is not None:
+        if self.engines > 1 and batch.engine is not None:
             splits.append(("engine", batch.engine[rows], self.engines))
         per_token = metrics.token_mismatch(logp, mu, **given) if splits else {}  # (µ's top-K on every token)
         for by, index, groups in splits:
@@ -150,11 +150,11 @@ def step_metrics(batch: RolloutBatch, rewards: Tensor, success: Tensor, reward_s
                  adv: Tensor | None = None, group_size: int = 1) -> dict[str, Any]:
     """The step's metrics before the one host sync (`perf/*` timings are added by the trainer). `success`: [B] bool,
     each episode's `dppo.episodes.results.episode_success` (reward/accuracy is its mean, as evaluation's pass@1).
-    engines: the fleet's members (rollout.fleet; 0 = one engine), whose responses are also reported apart
+    engines: the run's engines (rollout.engines; with one, nothing is split), whose responses are also reported apart
     (`engine_metrics`)."""
     lengths = batch.response_lengths.float()
     return {
-        **(engine_metrics(batch, rewards, success, engines) if engines else {}),
+        **(engine_metrics(batch, rewards, success, engines) if engines > 1 else {}),
         **(step_terms(rewards, adv, group_size) if adv is not None else {}),
         "reward/mean": rewards.mean(),
         "reward/std": rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
@@ -223,7 +223,7 @@ def loss_diagnostics(stats: dict[str, Tensor], batch: RolloutBatch, micro: Tenso
                      old_logp: Tensor | None, *, max_staleness: int, max_turns: int, engines: int = 0,
                      adv: Tensor | None = None) -> dict[str, Tensor]:
     """A loss's stats with its trust-region mask `keep` turned into what `StepAccumulator.add_loss` sums: the
-    masked share by µ bucket, per staleness, per turn of an episode and per fleet member (`engines` > 0), with
+    masked share by µ bucket, per staleness, per turn of an episode and per engine (`engines` > 1), with
     `old_logp` (π_old's log-probs of the micro-batch: loss.split_mismatch or the recompute anchor) the masked share
     split into mismatch and update, and with `adv` (the micro-batch's advantages) the trust-region ledger's terms
     (`dppo.train.step_ledger`, under "ledger")."""
@@ -239,7 +239,7 @@ def loss_diagnostics(stats: dict[str, Tensor], batch: RolloutBatch, micro: Tenso
     if batch.turn_index is not None:  # masked tokens per turn of an episode
         stats["masked_by_turn"], stats["n_by_turn"] = metrics.per_group_sums(
             ~keep, mask, batch.turn_index[micro], max_turns)
-    if engines and batch.engine is not None:  # masked tokens per fleet member
+    if engines > 1 and batch.engine is not None:  # masked tokens per engine
         stats["masked_by_engine"], stats["n_by_engine"] = metrics.per_group_sums(
             ~keep, mask, batch.engine[micro], engines)
     if old_logp is not None:

@@ -1,7 +1,7 @@
 """The DPPO training loop: rollout → reward → advantage → E×M updates → publish weights → log.
 
 `Trainer.step` reads top to bottom, the same in every sampling mode: the batch comes from a `RolloutSource`
-(`dppo.rollout.source`: an engine in this process, the same engine rollout.engine_lag versions behind, or rollout
+(`dppo.rollout.source`: an engine in this process, engines some versions behind (their `lag`), or rollout
 workers that sample ahead, up to rollout.max_staleness versions behind), and the new weights are published to it
 as the next version. Each response records the version that sampled it, so its staleness is measured. The
 importance weight of every update is π/µ against the engine's recorded log-probs; the trust-region mask is
@@ -98,7 +98,7 @@ class Trainer:
             if line:
                 announce(line)
         # the engine (or the rollout workers) holding the current weights as version step_idx; with
-        # rollout.engine_lag a resumed run's lag restarts from the resumed weights
+        # an engine's lag: a resumed run's lag restarts from the resumed weights
         self.source = build_source(cfg, self.episodes, draw=self._draw, weights=self._engine_state(),
                                    version=self.step_idx, position=self.sampler.position, device=self.device,
                                    rank=self.dist.rank, announce=announce, run_dir=self.run_dir)
@@ -183,7 +183,7 @@ class Trainer:
                                                            self.cfg.log.samples_per_step))
             values = step_metrics(batch, rewards, success, reward_stats, adv_stats, update_stats,
                                   lr=self.scheduler.get_last_lr()[0], skipped_steps=self.optim.skipped_steps,
-                                  max_staleness=self.source.max_staleness, engines=len(cfg.rollout.fleet_members),
+                                  max_staleness=self.source.max_staleness, engines=len(cfg.rollout.engines),
                                   adv=adv, group_size=cfg.rollout.group_size)
             values.update(self.optim.metrics())  # (fp16: the loss scale and the overflows)
             metrics = prune_unreached(self.dist.reduce_metrics(values), self.source.max_staleness)  # the one sync
@@ -221,7 +221,7 @@ class Trainer:
 
     def _engine_state(self) -> dict[str, Tensor]:
         """The weights an engine loads, as a state dict (LoRA merged; under FSDP2 a collective)."""
-        return engine_state(self.model, self.dist, adapter=self.cfg.rollout.vllm_server.lora_sync == "adapter")
+        return engine_state(self.model, self.dist, adapter=self.cfg.rollout.takes_adapter)
 
     def _recompute(self, batch: RolloutBatch) -> Scores:
         """π_old's scores of the whole batch before any update (the recompute anchor), one micro-batch at a time."""
@@ -242,7 +242,7 @@ class Trainer:
         cfg = self.cfg
         timer = timer or StepTimer(cuda=self.device.type == "cuda")
         acc = StepAccumulator(self.device, self.source.max_staleness, self.episodes.max_turns,
-                              len(cfg.rollout.fleet_members)).begin(batch, old)  # (π_old: every row's mismatch)
+                              len(cfg.rollout.engines)).begin(batch, old)  # (π_old: every row's mismatch)
         first, groups = True, episode_groups(batch, cfg.rollout.group_size)
         strata = group_strata(batch, groups)  # fleet members: the first mini-batch holds each
         for epoch in range(cfg.train.epochs):
@@ -287,7 +287,7 @@ class Trainer:
                                    self.loss_spec, inputs, max_response_len=self.episodes.max_tokens, denominator=denom)
         stats = loss_diagnostics(stats, batch, micro, scores.logp, None if old is None else old.logp[micro],
                                  max_staleness=self.source.max_staleness, max_turns=self.episodes.max_turns,
-                                 engines=len(self.cfg.rollout.fleet_members), adv=adv[micro])
+                                 engines=len(self.cfg.rollout.engines), adv=adv[micro])
         return loss, stats
 
     def _skip_step(self, reason: str, t_start: float) -> dict[str, float]:

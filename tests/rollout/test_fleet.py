@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from dppo.rollout import Engine, SamplingParams
-from dppo.rollout.fleet import SEED_STRIDE, FleetEngine, FleetMember, fleet_line, parse_fleet
+from dppo.rollout.fleet import SEED_STRIDE, FleetEngine
 from dppo.rollout.hf import HFEngine
 from dppo.rollout.quantize import QuantizedEngine, fp8_weights
 from dppo.train.batch import collate
-from dppo.train.config import ConfigError
 from dppo.train.scoring import score_responses_reference
 
 PARAMS = SamplingParams(n=3, temperature=0.8, max_new_tokens=12, seed=1)
@@ -156,15 +155,3 @@ def test_a_member_error_names_the_member(tiny_model, tokenizer):
         fleet.close()
 
 
-def test_parse_fleet():
-    assert parse_fleet("") == ()
-    assert parse_fleet(" vllm-server:bfloat16, hf:float32:fp8") == (
-        FleetMember("vllm-server", "bfloat16"), FleetMember("hf", "float32", fp8=True))
-    assert ",".join(map(str, parse_fleet("hf:float32 ,hf:bfloat16:fp8"))) == "hf:float32,hf:bfloat16:fp8"
-    assert fleet_line(parse_fleet("vllm-server:bfloat16,hf:float32")) == \
-        "[dppo] rollout: fleet engine_0 = vllm-server bfloat16, engine_1 = hf float32"
-    for bad, match in (("hf:float32", "two or more"), ("hf,hf:float32", "not KIND:DTYPE"),
-                       ("hf:float32:int4,hf:float32", "not KIND:DTYPE"), ("sglang:float32,hf:float32", "unknown engine"),
-                       ("hf:float64,hf:float32", "unknown dtype")):
-        with pytest.raises(ConfigError, match=rf"^rollout\.fleet: .*{match}"):
-            parse_fleet(bad)

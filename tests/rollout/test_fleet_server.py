@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import VLLM_MARKS
-from server_processes import fake_vllm  # noqa: F401 (a fixture)
+from server_processes import KV_GB, fake_vllm, model_dir, start  # noqa: F401 (fixtures)
 
 from dppo.rollout import SamplingParams, make_engine
 from dppo.rollout.fleet import FleetEngine
@@ -47,3 +47,36 @@ def test_a_vllm_server_member_beside_an_hf_member(fake_vllm, make_tiny_model, to
     assert torch.allclose(ref.logp[mask], batch.rollout_logp[mask], rtol=0, atol=1e-4)
     valid = batch.rollout_topk_valid & mask[..., None]
     assert torch.allclose(ref.topk_logp[valid], batch.rollout_topk_logp[valid], rtol=0, atol=1e-4)
+
+
+def test_two_server_engines_on_their_own_urls_train_two_steps(fake_vllm, model_dir, tmp_path):
+    """rollout.engines = two vllm-server engines, each attached to its own running server (a config, not code): two
+    training steps, each engine sampling half the prompts under the step's weights (both servers get every sync:
+    the fp32 fake servers' µ matches the trainer's π to float rounding at every step)."""
+    import json
+
+    from conftest import smoke_config
+
+    from dppo.rollout.settings import EngineNode
+    from dppo.train.config import replace
+    from dppo.train.trainer import Trainer
+
+    first, second = start(model_dir, tmp_path / "a"), start(model_dir, tmp_path / "b")
+    try:
+        engines = tuple(EngineNode("vllm-server", "float32", settings=VLLMServerSettings(
+            urls=proc.url, kv_cache_gb=KV_GB, timeout_s=120.0)) for proc in (first, second))
+        cfg = replace(smoke_config(tmp_path, model={"name": str(model_dir)}, train={"steps": 2, "threads": 1},
+                                   task={"eval_size": 0}),
+                      rollout={"engines": engines})
+        with Trainer(cfg, tmp_path) as trainer:
+            assert [m.group.members[0].client.url for m in trainer.engine.members] == [first.url, second.url]
+            trainer.train()
+    finally:
+        first.stop()
+        second.stop()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "mismatch/binary_tv_mean" in r]
+    assert len(rows) == 2
+    for row in rows:
+        assert [row[f"rollout/frac_engine_{j}"] for j in range(2)] == [0.5, 0.5]
+        assert all(row[f"mismatch/binary_tv_engine_{j}"] < 1e-5 for j in range(2)), row  # the step's weights, both

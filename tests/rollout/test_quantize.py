@@ -89,7 +89,7 @@ def test_fp8_mismatch_grows_with_the_logits_scale(make_tiny_model):
 
 
 def test_config_checks():
-    with pytest.raises(ConfigError, match=r"^rollout\.hf\.fp8_activations: needs rollout\.quantization fp8"):
+    with pytest.raises(ConfigError, match=r"^rollout\.hf\.fp8_activations: needs an hf engine with fp8 weights"):
         replace(get_preset("smoke"), rollout={"hf": {"fp8_activations": True}})
     with pytest.raises(ConfigError, match=r"^rollout\.engine_lag: expected >= 0"):
         replace(get_preset("smoke"), rollout={"engine_lag": -1})

@@ -64,7 +64,7 @@ def _weights(version: int) -> dict:
 @pytest.mark.parametrize("lag", [0, 1, 3])
 def test_the_engine_gets_version_v_once_v_plus_lag_is_published_and_every_rollout_names_it(lag):
     engine, episodes = _Engine(), _Episodes()
-    source = EngineSource(engine, _draw, weights=_weights(0), version=0, start_position=0, lag=lag, episodes=episodes)
+    source = EngineSource(engine, _draw, weights=_weights(0), version=0, start_position=0, lags=[lag], episodes=episodes)
     assert source.max_staleness == lag
     for step in range(8):
         examples, rollouts = source.take(step)
@@ -83,12 +83,60 @@ def test_the_engine_gets_version_v_once_v_plus_lag_is_published_and_every_rollou
 
 def test_a_lagged_source_keeps_copies_not_the_trainers_tensors():
     engine = _Engine()
-    source = EngineSource(engine, _draw, weights=_weights(0), version=0, start_position=0, lag=1, episodes=_Episodes())
+    source = EngineSource(engine, _draw, weights=_weights(0), version=0, start_position=0, lags=[1], episodes=_Episodes())
     live = _weights(1)
     source.publish(1, live)
     live["w"].fill_(123.0)  # the trainer updates its weights in place
     source.publish(2, _weights(2))
     assert engine.loaded == [0.0, 1.0]
+
+
+def test_engines_of_different_lags_each_hold_their_own_version_and_stamp_their_own_responses():
+    """Two engines as one (`FleetEngine`), lags [0, 2]: engine 0 holds each version as it is published, engine 1 the
+    one two behind; each response is stamped with its engine's version (the one that sampled it), the source's bound
+    is the larger lag, and only the versions a lagging engine still needs are kept."""
+    from dppo.rollout.fleet import FleetEngine
+
+    class _Tagged(_Engine):
+        tokenizer = None
+        max_logprobs = 1
+
+    fresh, stale = _Tagged(), _Tagged()
+    fleet = FleetEngine([fresh, stale])
+    def draw(step):  # two prompts: one per engine
+        return Draw([f"a {step}", f"b {step}"], SamplingParams(n=2, max_new_tokens=1), position=step + 1)
+
+    source = EngineSource(fleet, draw, weights=_weights(0), version=0, start_position=0, lags=[0, 2],
+                          episodes=_Episodes())
+    try:
+        assert source.max_staleness == 2
+        for step in range(6):
+            _, rollouts = source.take(step)
+            want = {0: step, 1: max(0, step - 2)}
+            assert {(r.engine, r.weight_version) for r in rollouts} == set(want.items())
+            assert all(int(r.response_ids[0]) == want[r.engine] for r in rollouts)  # sampled by that version
+            source.publish(step + 1, _weights(step + 1))
+            assert sorted(source._kept) == list(range(max(1, step), step + 2))  # (what engine 1 has yet to load)
+        assert fresh.loaded == [float(v) for v in range(7)] and stale.loaded == [float(v) for v in range(5)]
+    finally:
+        fleet.close()
+
+
+def test_a_lagged_rollout_worker_holds_back_each_version_and_loads_the_first_at_once(monkeypatch):
+    """An async worker whose engine has lag 2 (`WorkerCore`): the first published weights at once (the run's start
+    or its resume), then version v once v + 2 is given; a skipped version does not stall it (it takes the newest it
+    may hold)."""
+    from dppo.rollout.remote import worker
+    from dppo.rollout.spec import EngineSpec
+
+    built = _Engine()
+    monkeypatch.setattr(worker, "build_engine", lambda spec: built)
+    core = worker.WorkerCore(EngineSpec(model=None, lag=2, index=1), 0, 1)
+    for version in (5, 6, 7, 8, 10, 11):
+        core.load(version, _weights(version))
+    assert built.loaded == [5.0, 6.0, 8.0] and core.version == 8 and core.published == 11
+    assert sorted(core._kept) == [10, 11]
+    assert core.engine_index == 1
 
 
 class _Stale(RolloutSource):

@@ -62,9 +62,12 @@ def test_auto_engine_rule(device, dtype, has_vllm, expected):
 
 
 def test_this_machine_is_described():
-    from dppo.train.resolve import resolve_rollout
+    import torch
 
-    engine, dtype, _ = resolve_rollout(replace(get_preset("demo"), model={"device": "cpu"}))
+    from dppo.train.resolve import resolve_node
+
+    cfg = replace(get_preset("demo"), model={"device": "cpu"})
+    engine, dtype, _ = resolve_node(cfg.rollout.engines[0], torch.device("cpu"))
     native = any(f in hardware.cpu_flags() for f in hardware.BF16_CPU_FLAGS)
     assert dtype.value == ("bfloat16" if native else "float32")
     line = hardware.describe(engine, dtype)
@@ -158,12 +161,15 @@ def test_a_config_written_before_the_registry_fields_loads_once_its_moved_fields
                                           r"older dppo; edit it: model\.autocast_bf16 is now model\.precision .*; "
                                           r"rollout\.vllm_kv_cache_gb is now rollout\.vllm\.kv_cache_gb .*; "
                                           r"rollout\.vllm_gpu_memory_utilization is now "
-                                          r"rollout\.vllm\.gpu_memory_utilization$"):
+                                          r"rollout\.vllm\.gpu_memory_utilization; rollout\.engine, rollout\.dtype are "
+                                          r"now rollout\.engines, a list of engines: engines: \[\{kind: auto, dtype: "
+                                          r"bfloat16, fp8: False, lag: 0\}\]$"):
         Config.load(old)
     data = yaml.safe_load(old.read_text())
     data["model"]["precision"] = "bf16" if data["model"].pop("autocast_bf16") else "fp32"
-    data["rollout"]["vllm"] = {"kv_cache_gb": data["rollout"].pop("vllm_kv_cache_gb"),
-                               "gpu_memory_utilization": data["rollout"].pop("vllm_gpu_memory_utilization")}
+    for name in ("vllm_kv_cache_gb", "vllm_gpu_memory_utilization"):  # (their defaults: an engine auto takes none)
+        data["rollout"].pop(name)
+    data["rollout"]["engines"] = [{"kind": data["rollout"].pop("engine"), "dtype": data["rollout"].pop("dtype")}]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
     # relax_side (then a field of every config, default both) is a parameter only ppo_clip_relax takes
     with pytest.raises(ConfigError, match=r"^loss\.relax_side: not a parameter of trust region 'dppo_topk_kl' "
@@ -173,5 +179,5 @@ def test_a_config_written_before_the_registry_fields_loads_once_its_moved_fields
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
     cfg = Config.load(tmp_path / "config.yaml")
     assert cfg.loss.trust_region == "dppo_topk_kl" and cfg.loss.relax_side is None and cfg.loss.cppo_q is None
-    assert cfg.rollout.dtype == "bfloat16" and cfg.top_k_logprobs == 20
-    assert cfg.train.scoring_layout == "auto" and cfg.rollout.hf.max_batch_rows == 0
+    assert cfg.rollout.engines[0].dtype == "bfloat16" and cfg.top_k_logprobs == 20
+    assert cfg.train.scoring_layout == "auto" and cfg.rollout.engines[0].settings is None  # (auto: resolved at start)

@@ -85,9 +85,9 @@ def test_methods_follow_presets():
     assert SANITY_METHODS["minirl"]["anchor"] == "recompute" and SANITY_METHODS["dppo-recompute"]["anchor"] == "recompute"
     cfg = sanity_config(SanityConfig(steps=7, lr=1e-3, prompts_per_step=8, group_size=4), "m", "r", "dppo-topk-kl", 1)
     assert isinstance(cfg, Config)
-    assert cfg.top_k_logprobs == 20 and cfg.rollout.dtype == "bfloat16" and cfg.model.dtype == "float32"
+    assert cfg.top_k_logprobs == 20 and cfg.rollout.engines[0].dtype == "bfloat16" and cfg.model.dtype == "float32"
     assert cfg.model.precision == "fp32"  # the fp32 trainer on every CPU: the study's mismatch is its own source
-    assert cfg.rollout.engine == "hf" and cfg.train.mini_batches == 4 and cfg.train.seed == 1 and cfg.train.steps == 7
+    assert cfg.rollout.engines[0].kind == "hf" and cfg.train.mini_batches == 4 and cfg.train.seed == 1 and cfg.train.steps == 7
     assert not cfg.log.tensorboard and not cfg.log.progress and not cfg.train.eval_before
     assert sanity_config(SanityConfig(), "m", "r", "pg-is", 0).top_k_logprobs == 0
     with pytest.raises(ValueError, match="unknown"):
@@ -312,7 +312,7 @@ def test_mismatch_sources_and_the_fig5_group():
     assert method_loss("pg-is-neg-mask:neg_delta=0.8:anchor=recompute") == {
         **SANITY_METHODS["pg-is-neg-mask"], "neg_delta": 0.8, "anchor": "recompute"}
     cfg = sanity_config(SanityConfig(**parse_mismatch("lag:2")), "m", "r", "pg-is-neg-mask", 0)
-    assert cfg.rollout.engine_lag == 2 and cfg.rollout.dtype == "float32" and cfg.loss.trust_region == "pg_is_neg_mask"
+    assert cfg.rollout.engines[0].lag == 2 and cfg.rollout.engines[0].dtype == "float32" and cfg.loss.trust_region == "pg_is_neg_mask"
 
 
 # ---------------------------------------------------------------------------------------------- long responses

@@ -21,7 +21,8 @@ def test_the_resolved_config_names_every_value_the_run_uses(region, tmp_path):
     extra = {"relax_alpha": 0.1} if region == "ppo_clip_relax" else {}
     cfg = replace(get_preset("smoke"), loss={"trust_region": region, **extra}, model={"device": "cpu"})
     resolved = resolve_config(cfg)
-    assert resolved.rollout.engine in ("hf", "vllm") and resolved.rollout.dtype in ("float32", "bfloat16")
+    (node,) = resolved.rollout.engines
+    assert node.kind in ("hf", "vllm") and node.dtype in ("float32", "bfloat16")
     assert resolved.rollout.top_k_logprobs == (DEFAULT_TOP_K if TRUST_REGIONS[region].needs_topk else 0)
     for name, param in TRUST_REGIONS[region].params.items():  # each parameter at its registry default (or as given)
         assert getattr(resolved.loss, name) == extra.get(name, param.default), name
@@ -53,7 +54,8 @@ def test_given_values_survive_resolution():
                   rollout={"top_k_logprobs": 5, "engine": "hf", "dtype": "float32"})
     resolved = resolve_config(cfg)
     assert (resolved.loss.delta_low, resolved.loss.delta_high) == (0.07, 0.15)
-    assert (resolved.rollout.top_k_logprobs, resolved.rollout.engine, resolved.rollout.dtype) == (5, "hf", "float32")
+    (node,) = resolved.rollout.engines
+    assert (resolved.rollout.top_k_logprobs, node.kind, node.dtype) == (5, "hf", "float32")
 
 
 def test_the_engine_spec_is_picklable_and_builds_the_run_model():

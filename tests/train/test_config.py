@@ -31,7 +31,7 @@ def _cfg(tmp_path, rollout=None, **server):
                                           ("kv_cache_gb", 0.5)])
 def test_server_settings_under_another_engine_are_refused_naming_the_engine(tmp_path, field, value):
     with pytest.raises(ConfigError, match=rf"^rollout\.vllm_server\.{field}: a setting of the vllm-server engine, "
-                                          rf"but the run's engine is 'hf'"):
+                                          rf"but the run's engines are 'hf'"):
         _cfg(tmp_path, rollout={"engine": "hf"}, **{field: value})
 
 
@@ -70,7 +70,7 @@ def test_the_engine_spec_carries_the_server_settings_as_they_are(tmp_path):
     cfg = _cfg(tmp_path, urls="http://10.0.0.1:8000, http://10.0.0.2:8000", partial="abort",
                args="--max-num-seqs 8 --block-size 32", timeout_s=30, kv_cache_gb=0.5)
     spec = engine_spec(cfg, run_dir=tmp_path)
-    assert spec.kind == "vllm-server" and spec.settings is cfg.rollout.vllm_server
+    assert spec.kind == "vllm-server" and spec.settings is cfg.rollout.engines[0].settings
     assert spec.settings == VLLMServerSettings(urls="http://10.0.0.1:8000, http://10.0.0.2:8000", partial="abort",
                                                args="--max-num-seqs 8 --block-size 32", timeout_s=30, kv_cache_gb=0.5)
     assert spec.settings.url_list == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
@@ -89,10 +89,13 @@ def test_adapter_sync_carries_the_adapter_and_the_versions_in_flight(tmp_path):
         _cfg(tmp_path, lora_sync="adapter")
 
 
-def test_only_the_chosen_engines_node_is_written_and_it_round_trips(tmp_path):
+def test_the_engine_list_is_written_with_each_engines_own_settings_and_it_round_trips(tmp_path):
     cfg = _cfg(tmp_path, urls="http://127.0.0.1:8000", partial="abort")
     data = cfg.to_dict()
-    assert "vllm_server" in data["rollout"] and "hf" not in data["rollout"] and "vllm" not in data["rollout"]
+    assert not {"engine", "dtype", "fleet", "quantization", "hf", "vllm", "vllm_server"} & set(data["rollout"])
+    assert data["rollout"]["engines"] == [{"kind": "vllm-server", "dtype": "float32", "fp8": False, "lag": 0,
+                                           **dataclasses.asdict(VLLMServerSettings(urls="http://127.0.0.1:8000",
+                                                                                   partial="abort"))}]
     cfg.save(tmp_path / "config.yaml")
     assert Config.load(tmp_path / "config.yaml") == cfg
 
@@ -118,7 +121,8 @@ def test_every_preset_resolves_and_its_config_yaml_round_trips(tmp_path, name):
     assert Config.load(tmp_path / "config.yaml") == resolved
     assert resolve_config(resolved) == resolved  # idempotent: a resumed run reads exactly it
     written = yaml.safe_load((tmp_path / "config.yaml").read_text())["rollout"]
-    assert [k for k in written if k in {s.node() for s in ENGINES.values()}] == [ENGINES[resolved.rollout.engine].node()]
+    assert [e["kind"] for e in written["engines"]] == [n.kind for n in resolved.rollout.engines]
+    assert all(n.kind in ENGINES and n.dtype != "auto" for n in resolved.rollout.engines)  # no auto left
 
 
 def test_choosing_a_kind_on_the_command_line_starts_from_its_defaults(tmp_path):
@@ -126,8 +130,10 @@ def test_choosing_a_kind_on_the_command_line_starts_from_its_defaults(tmp_path):
     assert cfg.rollout.episodes == "single" and cfg.env == EnvSettings()
     replace(get_preset("smoke"), rollout={"hf": {"max_batch_rows": 4}}).save(tmp_path / "hf.yaml")
     cfg, _, _ = parse_config(["--config", str(tmp_path / "hf.yaml"), "--rollout.engine", "vllm"], prog="dppo train")
-    assert cfg.rollout.engine == "vllm" and cfg.rollout.hf == HFSettings()  # the file's hf node went with hf
-    with pytest.raises(ConfigError, match=r"^command line: could not parse --rollout\.hf\.max-batch-rows 4"):
+    assert [n.kind for n in cfg.rollout.engines] == ["vllm"]  # the file's hf settings went with hf
+    with pytest.raises(ConfigError, match=r"^command line: could not parse --rollout\.hf\.max-batch-rows 4 "
+                                          r"--rollout\.engine vllm: rollout\.hf\.max_batch_rows: a setting of the hf "
+                                          r"engine, but the run's engines are 'vllm'"):
         parse_config(["--preset", "smoke", "--rollout.hf.max-batch-rows", "4", "--rollout.engine", "vllm"],
                      prog="dppo train")  # a setting given for the engine not chosen: refused
     with pytest.raises(ConfigError, match=r"^command line: could not parse --env\.name feedback"):
@@ -145,11 +151,10 @@ def test_an_old_config_yaml_whose_episodes_were_chosen_by_a_name_is_refused_nami
         Config.load(tmp_path / "config.yaml")
 
 
-def test_under_auto_the_node_of_an_engine_auto_did_not_choose_is_refused_once_it_has_chosen(tmp_path):
-    cfg = _cfg(tmp_path, rollout={"engine": "auto"}, servers=2)  # auto never chooses vllm-server
+def test_a_setting_of_a_kind_beside_engine_auto_is_refused_naming_the_engine_to_choose(tmp_path):
     with pytest.raises(ConfigError, match=r"^rollout\.vllm_server\.servers: a setting of the vllm-server engine, but "
-                                          r"the run's engine is '(hf|vllm)'"):
-        resolve_config(cfg)
+                                          r"rollout\.engine is auto: name the engine \(--rollout\.engine vllm-server\)"):
+        _cfg(tmp_path, rollout={"engine": "auto"}, servers=2)  # auto never chooses vllm-server
 
 
 def test_an_engine_that_records_no_top_k_is_refused_for_a_top_k_trust_region(tmp_path, monkeypatch):

@@ -69,7 +69,8 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path, reward_file):
     assert (run / "config.yaml").is_file() and (run / "curves.png").stat().st_size > 1000
     saved_cfg = Config.load(run / "config.yaml")  # resolved: the δ's, K, engine and dtype the run used
     assert (saved_cfg.loss.delta_low, saved_cfg.loss.delta_high, saved_cfg.rollout.top_k_logprobs) == (0.15, 0.15, 0)
-    assert saved_cfg.rollout.engine in ("hf", "vllm") and saved_cfg.rollout.dtype in ("float32", "bfloat16")
+    (node,) = saved_cfg.rollout.engines
+    assert node.kind in ("hf", "vllm") and node.dtype in ("float32", "bfloat16")
     assert (run / "samples.jsonl").read_text().strip() and (run / "eval.jsonl").read_text().strip()
     assert list((run / "tb").iterdir())
     # resume: continues at step 4 with the run's own config, up to the new step count

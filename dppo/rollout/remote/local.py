@@ -58,7 +58,7 @@ def _main_module_hidden():
 
 
 def _load_latest(core: WorkerCore, shared, version, lock) -> float:
-    if version.value <= core.version:
+    if version.value <= core.published:
         return 0.0
     with lock:
         return core.load(version.value, shared)
@@ -95,7 +95,7 @@ def _worker_main(spec, index, threads, in_flight, shared, version, lock, request
 class LocalPool(Pool):
     """Worker processes on this machine (see the module docstring)."""
 
-    def __init__(self, spec, devices: list[str], *, threads: int, timeout_s: float, weights: dict, version: int,
+    def __init__(self, specs, devices: list[str], *, threads: int, timeout_s: float, weights: dict, version: int,
                  seed_offset: int = 0, in_flight: bool = False) -> None:
         super().__init__(devices, timeout_s)
         ctx = torch.multiprocessing.get_context("spawn")
@@ -107,7 +107,7 @@ class LocalPool(Pool):
         self._procs = []
         for i, device in enumerate(devices):
             proc = ctx.Process(target=_worker_main, name=f"dppo-rollout-{i}", daemon=True,
-                               args=(worker_spec(spec, i, device, seed_offset), i, threads, in_flight, self._shared,
+                               args=(worker_spec(specs, i, device, seed_offset), i, threads, in_flight, self._shared,
                                      self._version, self._lock, self._requests[i], self._results, os.getpid()))
             with _main_module_hidden():
                 proc.start()

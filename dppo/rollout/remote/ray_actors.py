@@ -42,7 +42,7 @@ class _Actor:
 
     def run(self, request: Request, version: int, weights) -> Result:
         fault_point("worker", request.step + 1)
-        load_s = self.core.load(version, weights) if weights is not None and version > self.core.version else 0.0
+        load_s = self.core.load(version, weights) if weights is not None and version > self.core.published else 0.0
         return self.core.run(request, load_s)
 
     def close(self) -> None:
@@ -52,7 +52,7 @@ class _Actor:
 class RayPool(Pool):
     """Ray actors (see the module docstring)."""
 
-    def __init__(self, spec, devices: list[str], *, threads: int, timeout_s: float, weights: dict, version: int,
+    def __init__(self, specs, devices: list[str], *, threads: int, timeout_s: float, weights: dict, version: int,
                  seed_offset: int = 0, address: str = "", in_flight: bool = False) -> None:
         import ray
 
@@ -71,7 +71,7 @@ class RayPool(Pool):
         for i, device in enumerate(devices):
             resources = {"num_gpus": 1, "num_cpus": 1} if device.startswith("cuda") else {"num_cpus": 1}
             self._actors.append(actor_cls.options(name=None, scheduling_strategy="SPREAD", max_restarts=0,
-                                                  **resources).remote(worker_spec(spec, i, "cuda" if device.startswith("cuda") else device,
+                                                  **resources).remote(worker_spec(specs, i, "cuda" if device.startswith("cuda") else device,
                                                                       seed_offset), i, threads))
         try:
             self._wait_ready_ray()

@@ -71,29 +71,44 @@ def worker_threads(requested: int, cpu_workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // (cpu_workers + 1))
 
 
-def worker_spec(spec: EngineSpec, index: int, device: str, seed_offset: int = 0) -> EngineSpec:
-    """The spec of worker `index` on `device`: the run's engine spec with the worker's device and engine seed
-    spec.seed + seed_offset + index (workers, and torchrun ranks through seed_offset, sample differently)."""
+def worker_spec(specs: Sequence[EngineSpec], index: int, device: str, seed_offset: int = 0) -> EngineSpec:
+    """The spec of worker `index` on `device`: engine index mod M of the run's engine specs (worker i holds engine
+    i mod M), with the worker's device and engine seed spec.seed + seed_offset + index (workers, and torchrun ranks
+    through seed_offset, sample differently)."""
+    spec = specs[index % len(specs)]
     return dataclasses.replace(spec, device=device, seed=spec.seed + seed_offset + index)
 
 
 class WorkerCore:
-    """The engine of worker `index`, built from its `EngineSpec`, with versioned weight loading."""
+    """The engine of worker `index`, built from its `EngineSpec`, with versioned weight loading (an engine with a
+    `lag` holds each published version back until `lag` newer ones are published)."""
 
     def __init__(self, spec: EngineSpec, index: int, threads: int) -> None:
         if spec.device == "cpu":
             torch.set_num_threads(threads)
-        self.index, self.device = index, spec.device
+        self.index, self.device, self.lag, self.engine_index = index, spec.device, spec.lag, spec.index
         self.engine = build_engine(spec)
-        self.version = -1
+        self.version = -1  # the version the engine holds (its rollouts carry it)
+        self.published = -1  # the newest version this worker was given
+        self._kept: dict[int, dict] = {}  # lag: versions not loaded yet (CPU copies)
         self.generating, self.in_flight_load_s = False, 0.0
         self._collectors: dict = {}  # repr(environment) -> its collector (an environment factory built once)
 
     def load(self, version: int, weights) -> float:
-        """Load published weights `version` (a state dict); returns the seconds it took."""
+        """Take published weights `version` (a state dict): load them, or with a lag k (and past the first load) the
+        newest version given that is at most `version` - k; returns the seconds it took."""
         t0 = time.perf_counter()
-        self.engine.load_weights(weights)
-        self.version = self.engine.weight_version = version  # the rollouts carry the published version
+        self.published = max(self.published, version)
+        target, state = version, weights
+        if self.lag and self.version >= 0:
+            self._kept[version] = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+            ready = [v for v in self._kept if self.version < v <= version - self.lag]
+            target, state = (max(ready), self._kept[max(ready)]) if ready else (self.version, None)
+        if state is not None:
+            self.engine.load_weights(state)
+            self.version = self.engine.weight_version = target  # the rollouts carry the published version
+        for old in [v for v in self._kept if v <= self.version]:
+            del self._kept[old]
         seconds = time.perf_counter() - t0
         self.in_flight_load_s += seconds if self.generating else 0.0
         return seconds
@@ -118,6 +133,8 @@ class WorkerCore:
             self.generating = False
         # the version that started each response (in-flight updates: the engine's token_versions say more)
         stamp(rollouts, start_version, in_flight=self.engine.between_chunks is not None)
+        for r in rollouts:
+            r.engine = self.engine_index
         load_s += self.in_flight_load_s
         return Result(request.id, self.index, rollouts, version=start_version,
                       busy_s=time.perf_counter() - t0 - self.in_flight_load_s, load_s=load_s,
