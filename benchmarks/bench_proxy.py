@@ -83,7 +83,7 @@ def main() -> None:
 
     import torch
 
-    from dppo.episodes.settings import AgentSettings, EnvSettings
+    from dppo.episodes.settings import AgentSettings, EnvSettings, ProxySettings
     from dppo.example import Example
     from dppo.rollout.base import SamplingParams
     from dppo.rollout.hf import HFEngine
@@ -105,10 +105,10 @@ def main() -> None:
     budget = TURNS * (args.max_new_tokens + 32)
     env = EnvSettings(f"{here}:Loop", max_turns=TURNS, max_tokens=budget, timeout_s=60.0).episodes(
         max_new_tokens=args.max_new_tokens).collector()
-    proxy = AgentSettings(name=f"{here}:agent", max_calls=TURNS, max_tokens=budget).episodes(
-        max_new_tokens=args.max_new_tokens).collector()
-    asking = AgentSettings(name=f"{here}:agent_logprobs", max_calls=TURNS, max_tokens=budget).episodes(
-        max_new_tokens=args.max_new_tokens).collector()
+    settings = ProxySettings(max_calls=TURNS, max_tokens=budget)
+    proxy = AgentSettings(name=f"{here}:agent").episodes(max_new_tokens=args.max_new_tokens, proxy=settings).collector()
+    asking = AgentSettings(name=f"{here}:agent_logprobs").episodes(
+        max_new_tokens=args.max_new_tokens, proxy=settings).collector()
     times = {"environment": [], "agent": [], "agent_logprobs": []}
     tokens = {}
     try:

@@ -47,7 +47,8 @@ def arm_config(name: str, args, out: Path):
         # model's tokenizer.
         sections = {"rollout": {"episodes": "verifiers"},
                     "verifiers": {"taskset": str(TASKSET), "options": json.dumps({"seed": args.seed}), "shuffle": False,
-                                  "client": args.client, "concurrency": args.concurrency, "timeout_s": 600.0}}
+                                  "client": args.client},
+                    "proxy": {"concurrency": args.concurrency, "timeout_s": 600.0}}
     return replace(get_preset("demo"), train=train, task=task, **sections,
                    log={"tensorboard": False, "progress": False, "run_dir": str(out)})
 
@@ -63,7 +64,7 @@ def main() -> None:
     p.add_argument("--eval-samples", type=int, default=0, help="samples per held-out question (default: the demo's, 2)")
     p.add_argument("--seed", type=int, default=0, help="the task's and the trainer's seed (both arms)")
     p.add_argument("--client", default="eval", choices=("eval", "train"), help="verifiers' client")
-    p.add_argument("--concurrency", type=int, default=32, help="verifiers episodes at once (verifiers.concurrency)")
+    p.add_argument("--concurrency", type=int, default=32, help="verifiers episodes at once (proxy.concurrency)")
     p.add_argument("--arms", default="dppo,verifiers", help="which arms, comma-separated")
     p.add_argument("--out", default=None, help="folder for the runs (default: a temp dir)")
     args = p.parse_args()

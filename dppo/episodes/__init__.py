@@ -2,15 +2,16 @@
 
     settings = EPISODE_KINDS[kind](...)                 # the run config's section of that kind (single: none)
     task = settings.task(size=..., eval_size=..., seed=...)   # the kind's own examples (verifiers), else None
-    episodes = settings.episodes(max_new_tokens=..., reward=..., model=...)   # picklable: workers get it
+    episodes = settings.episodes(max_new_tokens=..., reward=..., model=..., proxy=...)   # picklable: workers get it
     rollouts = episodes.collector()(engine, examples, params)   # params.n episodes per example, prompt-major
     episodes.score(examples, rollouts)                  # in the trainer's process: every reward set
     rewards, stats = episode_rewards(rollouts)          # what the trainer and the evaluation read
     episodes.metrics(rollouts)                          # the step's episode/* metrics
 
 - `settings`: `SingleSettings`, `EnvSettings` (the `env` section), `AgentSettings` (the `agent` section),
-  `VerifiersSettings` (the `verifiers` section) and the `EPISODE_KINDS` registry; each kind's `max_turns` bounds the
-  loss's per-turn units.
+  `VerifiersSettings` (the `verifiers` section), `ProxySettings` (the `proxy` section: the recording proxy of every
+  kind that `uses_proxy`, agent and verifiers) and the `EPISODE_KINDS` registry; each kind's episodes' `max_turns`
+  bounds the loss's per-turn units.
 - The drivers, one per kind: `single` (a single answer, one engine call and one reward call per batch),
   `env_loop` (an environment's turns, scored by it), `agent_loop` (an agent's OpenAI client calls through the
   recording proxy; a verifiers taskset's harness too, `verifiers`, which also supplies the run's examples).

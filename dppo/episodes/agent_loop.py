@@ -1,6 +1,6 @@
 """Agents as users write them, run as a run's episodes: `agent(client, example) -> reward` against the proxy.
 
-    # my_agent.py — dppo train --agent.name my_agent.py:solve
+    # my_agent.py — dppo train --rollout.episodes agent --agent.name my_agent.py:solve
     def solve(client, example):            # client: an openai.OpenAI whose base_url is this episode's proxy URL
         reply = client.chat.completions.create(model="policy", messages=[...], tools=[...])
         ...
@@ -65,8 +65,9 @@ class AgentEpisodes:
     the proxy is started where they run): the proxy's settings and what plays each episode."""
 
     settings: Any
-    """The run config's section of its kind, a `dppo.episodes.settings.ProxySettings` (`AgentSettings`,
-    `VerifiersSettings`: which builds these episodes): the episodes' limits and the proxy's settings."""
+    """The run config's `proxy` section, a `dppo.episodes.settings.ProxySettings` (given to the `episodes` of
+    `AgentSettings` or `VerifiersSettings`, which build these episodes): the episodes' limits and the proxy's
+    settings."""
     player: Any
     """What plays each episode (picklable): `agent()` -> the agent function `agent(client, example) -> reward`,
     loaded where the episodes run; `label` (its name in the run's messages); `start_line(host)`. The `agent` section
@@ -74,13 +75,13 @@ class AgentEpisodes:
 
     @property
     def max_tokens(self) -> int:
-        """A row's response tokens (max_tokens)."""
+        """A row's response tokens (proxy.max_tokens)."""
         return self.settings.max_tokens
 
     @property
     def max_turns(self) -> int:
-        """Calls per episode (the per-turn metrics and the loss's per-turn units count calls)."""
-        return self.settings.max_turns
+        """Calls per episode, proxy.max_calls (the per-turn metrics and the loss's per-turn units count calls)."""
+        return self.settings.max_calls
 
     def collector(self) -> "AgentCollector":
         return AgentCollector(self.settings, self.player)

@@ -14,7 +14,7 @@ it) is sent again, up to agent.post_retries times, with a growing pause: nothing
 dies while it runs an episode (the connection drops, an error status, a body that is no reward) ends that episode
 with reward 0, counted and named like an agent function that raised (`episode/env_errors`): the error names the URL
 and, for an error status, the status and the start of the body; a connection closed without any reply says so and
-why it usually happens (`NO_REPLY_HINT`). agent.timeout_s bounds the whole episode. The run goes on. A minimal
+why it usually happens (`NO_REPLY_HINT`). proxy.timeout_s bounds the whole episode. The run goes on. A minimal
 service is in docs/agents.md ("Agents behind HTTP").
 """
 

@@ -1,15 +1,16 @@
 """The recording proxy's HTTP side: an OpenAI-compatible endpoint in front of a dppo engine, recording every call.
 
-    proxy = Proxy(agent_settings); proxy.start()   # uvicorn in a background thread (FastAPI app)
+    proxy = Proxy(proxy_settings); proxy.start()   # uvicorn in a background thread (FastAPI app)
     ep = proxy.open(prompt_index, example)                         # an episode; its base URL: proxy.base_url(ep)
     proxy.begin(engine, params)                                    # a collection starts
     ... agents call /e/<episode key>/v1/chat/completions ...       # (run on proxy.loop)
     proxy.serve(engine, params, active=..., finished=...)          # THIS thread runs the engine until agents finish
     proxy.close_episodes()
 
-The proxy takes the run's proxy settings (`dppo.episodes.settings.ProxySettings`: the `agent` or `verifiers`
-section, a row's token budget among them) as they are, and the batch wait as an argument. Endpoints, under each
-episode's base URL `http://<host>:<port>/e/<key>/v1`: `POST chat/completions`, `POST completions`, `GET models`; the token route
+The proxy takes the run's proxy settings (`dppo.episodes.settings.ProxySettings`: the run config's `proxy` section,
+whichever episode kind plays through it, a row's token budget among them) as they are, and the batch wait as an
+argument. Endpoints, under each episode's base URL `http://<host>:<port>/e/<key>/v1`: `POST chat/completions`,
+`POST completions`, `GET models`; the token route
 `POST /e/<key>/inference/v1/generate` (vLLM's: token ids in, ids and µ out, rows joined by id prefix as completions);
 the same three under one shared base URL `http://<host>:<port>/v1` (and `/inference/v1/generate`), the episode named
 by the `X-Session-ID` header (its key); and
@@ -113,7 +114,7 @@ class Proxy:
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"agent proxy: could not listen on {self.settings.host}:{self.settings.port} "
-                                   f"(port in use? set {self.settings.section}.port)")
+                                   f"(port in use? set proxy.port)")
             time.sleep(0.01)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
 
@@ -231,14 +232,14 @@ class Proxy:
     async def _body(self, request) -> Any:
         cap = self.settings.max_request_bytes
         if int(request.headers.get("content-length") or 0) > cap:
-            raise RequestError(f"the request is larger than {cap} bytes ({self.settings.section}.max_request_bytes)",
+            raise RequestError(f"the request is larger than {cap} bytes (proxy.max_request_bytes)",
                                None, code="request_too_large", status=413)
         data = bytearray()
         async for chunk in request.stream():
             data += chunk
             if len(data) > cap:
                 raise RequestError(f"the request is larger than {cap} bytes "
-                                   f"({self.settings.section}.max_request_bytes)", None, code="request_too_large",
+                                   f"(proxy.max_request_bytes)", None, code="request_too_large",
                                    status=413)
         try:
             return json.loads(data)
@@ -279,7 +280,7 @@ class Proxy:
                                 top_k=self.params.top_k_logprobs, stop_ids=stops)
         if ep.calls >= self.settings.max_calls:
             raise RequestError(f"this episode made its {self.settings.max_calls} calls "
-                               f"({self.settings.section}.max_calls)", None, code="max_calls")
+                               f"(proxy.max_calls)", None, code="max_calls")
         prompt = req.prompt
         if isinstance(prompt, str):
             prompt = codec.tokenizer.encode(prompt, add_special_tokens=False)
@@ -295,7 +296,7 @@ class Proxy:
         if max_new < 1:
             ep.truncated += 1
             raise RequestError(f"this episode's row holds {len(row.tokens.ids) + len(extra)} response tokens, its "
-                               f"budget is {self.max_tokens} ({self.settings.section}.max_tokens)", "messages",
+                               f"budget is {self.max_tokens} (proxy.max_tokens)", "messages",
                                code="context_length_exceeded")
         row.busy = True
         context = row.tokens.context() + extra

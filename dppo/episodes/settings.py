@@ -5,20 +5,25 @@
 
 `EnvSettings` is the run config's `env` section, `AgentSettings` its `agent` section and `VerifiersSettings` its
 `verifiers` section (`dppo.train.config` imports them; every default and every check lives here, once, each failure
-naming `env.<field>` / `agent.<field>` / `verifiers.<field>`; the two kinds played through the recording proxy share
-its settings, `ProxySettings`). The single answer has no settings. Each class gives the trainer what it needs, the
-same way for every kind (`EpisodeKindSettings` holds the defaults):
+naming `env.<field>` / `agent.<field>` / `verifiers.<field>`). The single answer has no settings. The recording proxy
+that the `agent` and `verifiers` kinds play through has its own settings, `ProxySettings`, the run config's one
+`proxy` section (failures name `proxy.<field>`), whichever of the two kinds runs; a kind declares that it runs through
+the proxy (`uses_proxy`) and its `episodes` receives them. Each class gives the trainer what it needs, the same way
+for every kind (`EpisodeKindSettings` holds the defaults):
 
-- `max_turns`: the turns of an episode, the bound of the loss's per-turn units (env.max_turns; an agent's calls,
-  agent.max_calls; 1 for a single answer);
-- `episodes(max_new_tokens=..., reward=..., model=...)`: the run's episodes (`dppo.rollout.source.Episodes`,
-  picklable: rollout workers receive them) from these settings and the run-time values the kind needs (the task's
-  reward runner for a kind the task scores; the run's model for one that tokenises on its own side);
+- `episodes(max_new_tokens=..., reward=..., model=..., proxy=...)`: the run's episodes
+  (`dppo.rollout.source.Episodes`, picklable: rollout workers receive them) from these settings and the run-time
+  values the kind needs (the task's reward runner for a kind the task scores; the run's model for one that tokenises
+  on its own side; the proxy's settings for a kind that `uses_proxy`); the episodes' `max_turns` bounds the loss's
+  per-turn units (env.max_turns; the proxy's kinds: proxy.max_calls; 1 for a single answer);
+- `uses_proxy`: whether the kind's episodes run through the recording proxy (its settings are the `proxy` section;
+  a run of another kind refuses a changed `proxy.*` field);
 - `supplies_examples`, `task(size=..., eval_size=..., seed=...)`: whether the kind supplies the run's examples (a
   verifiers taskset's tasks), and those examples, split by task.size / eval_size / seed (else the task section's task
   is the run's: the trainer's task building asks the kind first);
 - `check_run(max_new_tokens=...)`: what the kind refuses once it is the run's choice (rollout.episodes), beside the
-  rollout's settings (a turn longer than the episode's token budget, a missing extra); `episodes` refuses a kind
+  rollout's settings (a turn longer than the episode's token budget, a missing extra; the proxy's own,
+  `ProxySettings.check_run`, for a kind that uses it); `episodes` refuses a kind
   with nothing to run (no environment, agent or taskset named), before any model loads;
 - `absolute_paths(base)`: the settings with every file they name made absolute against `base` (config.yaml then
   works from any directory);
@@ -57,6 +62,9 @@ class EpisodeKindSettings:
     supplies_examples: ClassVar[bool] = False
     """Whether the kind supplies the run's examples (`task`); the task section's name, options and system prompt then
     go unused (its size, eval_size and seed split the kind's examples)."""
+    uses_proxy: ClassVar[bool] = False
+    """Whether the kind's episodes run through dppo's recording proxy: its `episodes` then plays them with the run's
+    proxy settings (`ProxySettings`, the config's `proxy` section), which a run of another kind leaves at defaults."""
 
     def task(self, *, size: int, eval_size: int, seed: int) -> Task:
         """The run's examples, for a kind that supplies them (`supplies_examples`)."""
@@ -81,7 +89,7 @@ class SingleSettings(EpisodeKindSettings):
     def check_run(self, *, max_new_tokens: int) -> None:
         """Nothing to refuse: an answer's length is rollout.max_new_tokens."""
 
-    def episodes(self, *, max_new_tokens: int, reward=None, model: str = "") -> SingleAnswer:
+    def episodes(self, *, max_new_tokens: int, reward=None, model: str = "", proxy=None) -> SingleAnswer:
         """The answers (of up to `max_new_tokens` tokens, rollout.max_new_tokens), scored by `reward` (the task's
         `RewardRunner`; None: episodes that only collect)."""
         return SingleAnswer(max_new_tokens, reward=reward)
@@ -133,7 +141,7 @@ class EnvSettings(EpisodeKindSettings):
     def absolute_paths(self, base: Path) -> "EnvSettings":
         return replace(self, name=absolute_spec(self.name, base))
 
-    def episodes(self, *, max_new_tokens: int, reward=None, model: str = "") -> EnvEpisodes:
+    def episodes(self, *, max_new_tokens: int, reward=None, model: str = "", proxy=None) -> EnvEpisodes:
         """The environment's episodes: these settings are all they need (the environment scores each episode)."""
         if not self.name:
             _fail("env.name", "rollout.episodes env needs an environment (calculator, python, feedback, mcp, openenv, "
@@ -142,10 +150,11 @@ class EnvSettings(EpisodeKindSettings):
 
 
 @dataclass(frozen=True)
-class ProxySettings(EpisodeKindSettings):
-    """What the episode kinds played through dppo's recording proxy share (`AgentSettings`, `VerifiersSettings`): the
-    episode's limits and the proxy's own settings; each check names `<section>.<field>`. `dppo.episodes.proxy.Proxy`
-    takes these settings as they are; a subclass adds what plays its episodes."""
+class ProxySettings:
+    """dppo's recording proxy (`dppo.episodes.proxy.Proxy`, which takes these settings as they are): the run config's
+    `proxy` section, the same for every episode kind played through it (`uses_proxy`: `agent`, `verifiers`), each
+    kind's `episodes` receiving it; the episode's limits and the proxy's own settings, each check naming
+    `proxy.<field>`."""
 
     max_calls: int = 16
     """Calls per episode; past it a call is refused (the agent sees an OpenAI error)."""
@@ -169,44 +178,46 @@ class ProxySettings(EpisodeKindSettings):
     max_concurrent_requests: int = 256
     """Requests in flight at once (429 past it)."""
 
-    section: ClassVar[str] = ""
-    """The run config's section of these settings (the field names of its failures)."""
+    def __post_init__(self) -> None:
+        if self.max_calls < 1:
+            _fail("proxy.max_calls", f"expected >= 1, got {self.max_calls}")
+        if self.concurrency < 0:
+            _fail("proxy.concurrency", f"expected >= 0, got {self.concurrency}")
+        if not 0 <= self.port <= 65535:
+            _fail("proxy.port", f"expected 0..65535, got {self.port}")
+        _positive("proxy", timeout_s=self.timeout_s, max_request_bytes=self.max_request_bytes,
+                  max_concurrent_requests=self.max_concurrent_requests)
+        if self.max_tokens < 1:
+            _fail("proxy.max_tokens", f"expected >= 1, got {self.max_tokens}")
+
+    def check_run(self, *, max_new_tokens: int, kind: str) -> None:
+        """What the proxy refuses once episode kind `kind` (rollout.episodes) plays through it: a missing `agents`
+        extra, a call longer than a row."""
+        require_extra("agents", "rollout.episodes", f"{kind!r} (the recording proxy and the agent's OpenAI client)")
+        if max_new_tokens > self.max_tokens:
+            _fail("rollout.max_new_tokens", f"{max_new_tokens} (one call) > proxy.max_tokens {self.max_tokens} "
+                                            f"(a row)")
+
+
+class ProxyKindSettings(EpisodeKindSettings):
+    """What the episode kinds played through the recording proxy declare alike (`AgentSettings`,
+    `VerifiersSettings`); their `episodes` take the run's `ProxySettings` as `proxy`."""
+
+    uses_proxy: ClassVar[bool] = True
     scored_by_task: ClassVar[bool] = False
     default_top_k: ClassVar[int] = 1
     """µ's top-1: the `top_logprobs` OpenAI clients ask by default (SkyRL: 1; verifiers' TrainClient: `logprobs: 1`)
     is answered; it costs one max over the vocabulary a token."""
 
-    def __post_init__(self) -> None:
-        s = self.section
-        if self.max_calls < 1:
-            _fail(f"{s}.max_calls", f"expected >= 1, got {self.max_calls}")
-        if self.concurrency < 0:
-            _fail(f"{s}.concurrency", f"expected >= 0, got {self.concurrency}")
-        if not 0 <= self.port <= 65535:
-            _fail(f"{s}.port", f"expected 0..65535, got {self.port}")
-        _positive(s, timeout_s=self.timeout_s, max_request_bytes=self.max_request_bytes,
-                  max_concurrent_requests=self.max_concurrent_requests)
-        if self.max_tokens < 1:
-            _fail(f"{s}.max_tokens", f"expected >= 1, got {self.max_tokens}")
-
     def check_run(self, *, max_new_tokens: int) -> None:
-        require_extra("agents", "rollout.episodes", f"{self.section!r} (the recording proxy and the agent's OpenAI "
-                                                    f"client)")
-        if max_new_tokens > self.max_tokens:
-            _fail("rollout.max_new_tokens", f"{max_new_tokens} (one call) > {self.section}.max_tokens "
-                                            f"{self.max_tokens} (a row)")
-
-    @property
-    def max_turns(self) -> int:
-        """An agent's turns are its calls: each generated token's turn is the call that sampled it."""
-        return self.max_calls
+        """Nothing of the kind's own to refuse beside the proxy's (`ProxySettings.check_run`)."""
 
 
 @dataclass(frozen=True)
-class AgentSettings(ProxySettings):
+class AgentSettings(ProxyKindSettings):
     """An agent written against an OpenAI client, trained through dppo's recording proxy (rollout.episodes agent;
     docs/agents.md, "Bring your own agent"): `agent(client, example) -> reward`; each call's tokens, µ and µ's top-K
-    are recorded and joined into rows (a row's response tokens are capped by max_tokens, each call by
+    are recorded and joined into rows (a row's response tokens are capped by proxy.max_tokens, each call by
     rollout.max_new_tokens)."""
 
     name: str = ""
@@ -218,14 +229,12 @@ class AgentSettings(ProxySettings):
     post_retries: int = 2
     """A post that did not reach the agent service (connection refused, 502/503/504) is sent again this many times."""
 
-    section: ClassVar[str] = "agent"
     noun: ClassVar[str] = "agent"
     torchrun_refusal: ClassVar[str] = (
         "agent.name: agents under torchrun are not supported (their episodes' rows differ in number between ranks); "
         "run one process, with async rollout workers if needed")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.name and self.url:
             _fail("agent.url", "an agent is a function (agent.name) or a service (agent.url), not both")
         if self.url and not self.url.startswith(("http://", "https://")):
@@ -256,17 +265,19 @@ class AgentSettings(ProxySettings):
     def absolute_paths(self, base: Path) -> "AgentSettings":
         return replace(self, name=absolute_spec(self.name, base))
 
-    def episodes(self, *, max_new_tokens: int, reward=None, model: str = "") -> AgentEpisodes:
-        """The agent's episodes, each of its rows holding up to max_tokens response tokens (each call's tokens are
-        capped by the sampling parameters' max_new_tokens). The agent scores each episode."""
+    def episodes(self, *, max_new_tokens: int, reward=None, model: str = "",
+                 proxy: ProxySettings = ProxySettings()) -> AgentEpisodes:
+        """The agent's episodes through the proxy of settings `proxy` (the run's `proxy` section), each of its rows
+        holding up to proxy.max_tokens response tokens (each call's tokens are capped by the sampling parameters'
+        max_new_tokens). The agent scores each episode."""
         if not self.name and not self.url:
             _fail("agent.name", "rollout.episodes agent needs an agent ('module:function' or "
                                 "'path/to/file.py:function', or a service: agent.url)")
-        return AgentEpisodes(self, player=self)
+        return AgentEpisodes(proxy, player=self)
 
 
 @dataclass(frozen=True)
-class VerifiersSettings(ProxySettings):
+class VerifiersSettings(ProxyKindSettings):
     """A verifiers v1 taskset (rollout.episodes verifiers; docs/agents.md, "verifiers v1 tasksets"): its tasks are the
     run's examples (split by task.size, task.eval_size, task.seed), each played by verifiers' harness and client
     through dppo's recording proxy and scored by the taskset's own rewards (`dppo.episodes.verifiers`). The `train`
@@ -289,7 +300,6 @@ class VerifiersSettings(ProxySettings):
     """Split the tasks in a seeded order (task.seed); false: the taskset's own order (for a taskset that lists its
     held-out tasks first)."""
 
-    section: ClassVar[str] = "verifiers"
     noun: ClassVar[str] = "verifiers taskset"
     supplies_examples: ClassVar[bool] = True
     torchrun_refusal: ClassVar[str] = (
@@ -297,7 +307,6 @@ class VerifiersSettings(ProxySettings):
         "number between ranks); run one process, with async rollout workers if needed")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         _json_object("verifiers.options", self.options)
         if self.client not in CLIENTS:
             _fail("verifiers.client", f"expected one of {CLIENTS}, got {self.client!r}")
@@ -308,7 +317,6 @@ class VerifiersSettings(ProxySettings):
 
     def check_run(self, *, max_new_tokens: int) -> None:
         require_extra("verifiers", "rollout.episodes", "'verifiers' (a verifiers v1 taskset)")
-        super().check_run(max_new_tokens=max_new_tokens)
 
     def task(self, *, size: int, eval_size: int, seed: int) -> Task:
         """The run's examples: the taskset's tasks, held out as `dppo.episodes.verifiers.verifiers_task` says."""
@@ -320,13 +328,15 @@ class VerifiersSettings(ProxySettings):
                  if is_local(v := getattr(self, k)) and not Path(v).expanduser().is_absolute()}
         return replace(self, **local)
 
-    def episodes(self, *, max_new_tokens: int, reward=None, model: str = "") -> AgentEpisodes:
-        """The taskset's episodes through the proxy: verifiers' harness and client play each (`Player`, with the
-        run's model `model` for the train client's tokenizer); the taskset's rewards score it."""
+    def episodes(self, *, max_new_tokens: int, reward=None, model: str = "",
+                 proxy: ProxySettings = ProxySettings()) -> AgentEpisodes:
+        """The taskset's episodes through the proxy of settings `proxy` (the run's `proxy` section): verifiers'
+        harness and client play each (`Player`, with the run's model `model` for the train client's tokenizer); the
+        taskset's rewards score it."""
         if not self.taskset:
             _fail("verifiers.taskset", "rollout.episodes verifiers needs a taskset (an installed taskset id, or a "
                                        "local .py file or package folder)")
-        return AgentEpisodes(self, player=Player(self, tokenizer=model))
+        return AgentEpisodes(proxy, player=Player(self, tokenizer=model))
 
 
 EPISODE_KINDS: dict[str, type] = {"single": SingleSettings, "env": EnvSettings, "agent": AgentSettings,
@@ -335,5 +345,5 @@ EPISODE_KINDS: dict[str, type] = {"single": SingleSettings, "env": EnvSettings, 
 answer has none)."""
 
 
-__all__ = ["AgentSettings", "EPISODE_KINDS", "EnvSettings", "EpisodeKindSettings", "ProxySettings", "SingleSettings",
-           "VerifiersSettings"]
+__all__ = ["AgentSettings", "EPISODE_KINDS", "EnvSettings", "EpisodeKindSettings", "ProxyKindSettings", "ProxySettings",
+           "SingleSettings", "VerifiersSettings"]

@@ -138,13 +138,14 @@ def build_episodes(cfg: Config, task=None):
     """The run's episodes (`dppo.rollout.source.Episodes`) of its kind (rollout.episodes): the kind's settings (the
     config section of its name; the single answer has none) with the run-time values every kind is given — the
     longest answer (rollout.max_new_tokens), the run's model (model.name: a kind that tokenises on its own side
-    loads its tokenizer) and, for a kind scored by the task, `task`'s reward runner (task None: episodes that only
-    collect)."""
+    loads its tokenizer), the recording proxy's settings (the `proxy` section: a kind that `uses_proxy` plays through
+    it) and, for a kind scored by the task, `task`'s reward runner (task None: episodes that only collect)."""
     settings = cfg.episode_settings
     if settings.torchrun_refusal and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(settings.torchrun_refusal)
     reward = build_reward_runner(cfg, task) if task is not None and settings.scored_by_task else None
-    return settings.episodes(max_new_tokens=cfg.rollout.max_new_tokens, reward=reward, model=cfg.model.name)
+    return settings.episodes(max_new_tokens=cfg.rollout.max_new_tokens, reward=reward, model=cfg.model.name,
+                             proxy=cfg.proxy)
 
 
 def check_environment(cfg: Config, examples) -> str | None:

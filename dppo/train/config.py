@@ -23,7 +23,7 @@ from dppo._checks import config_fail as _fail
 from dppo._checks import config_json_object as _json_object
 from dppo._checks import config_positive as _positive
 from dppo.advantages import ADVANTAGES
-from dppo.episodes.settings import EPISODE_KINDS, AgentSettings, EnvSettings, VerifiersSettings
+from dppo.episodes.settings import EPISODE_KINDS, AgentSettings, EnvSettings, ProxySettings, VerifiersSettings
 from dppo.loss_spec import LossSpec, loss_spec
 from dppo.rollout.settings import EngineNode
 from dppo.train.engine_flags import FLAG_FIELDS, with_flags
@@ -363,6 +363,7 @@ class Config:
     env: EnvSettings = field(default_factory=EnvSettings)
     agent: AgentSettings = field(default_factory=AgentSettings)
     verifiers: VerifiersSettings = field(default_factory=VerifiersSettings)
+    proxy: ProxySettings = field(default_factory=ProxySettings)
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -445,7 +446,7 @@ class Config:
 
 _SECTIONS = {
     "model": ModelConfig, "rollout": RolloutConfig, "task": TaskConfig, "env": EnvSettings, "agent": AgentSettings,
-    "verifiers": VerifiersSettings,
+    "verifiers": VerifiersSettings, "proxy": ProxySettings,
     "loss": LossConfig,
     "advantage": AdvantageConfig, "optim": OptimConfig, "train": TrainConfig, "log": LogConfig,
 }

@@ -1,7 +1,8 @@
 """The run's component choices checked against the settings of every kind: the engines (rollout.engines, each node of
 a kind in `dppo.rollout.settings.ENGINES`) and the episode kind (rollout.episodes, one config section per
-`dppo.episodes.settings.EPISODE_KINDS` entry that has settings). What a chosen kind cannot do (declared on its
-settings class) is refused naming the field, and the settings of an episode kind the run does not use are refused
+`dppo.episodes.settings.EPISODE_KINDS` entry that has settings; the `proxy` section for the kinds whose settings class
+declares `uses_proxy`). What a chosen kind cannot do (declared on its settings class) is refused naming the field, and
+the settings of an episode kind the run does not use (or the proxy's, when its kind plays through none) are refused
 naming the field and the kind that takes them; `choose` switches a config to another episode kind, from that kind's
 defaults. Generic over the registries: adding an engine or an episode kind changes nothing here."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dppo._checks import config_fail
-from dppo.episodes.settings import EPISODE_KINDS
+from dppo.episodes.settings import EPISODE_KINDS, ProxySettings
 from dppo.rollout.settings import ENGINES
 
 
@@ -72,25 +73,43 @@ def check_run_engines(rollout, *, top_k: int, lora_rank: int) -> None:
 def check_episodes(cfg) -> None:
     """ConfigError naming the field for a setting of an episode kind other than rollout.episodes (each kind's
     settings are the config section of its name, `dppo.episodes.settings.EPISODE_KINDS`, and a section of a kind the
-    run does not use keeps its defaults), and for what the chosen kind's settings refuse beside the rollout
-    (`check_run`: an environment or agent to run, a turn longer than the episode's token budget)."""
+    run does not use keeps its defaults), for a setting of the recording proxy (the `proxy` section) when the chosen
+    kind plays through none (its settings class's `uses_proxy`), and for what the chosen kind's settings and its
+    proxy refuse beside the rollout (`check_run`: an environment or agent to run, a turn longer than the episode's
+    token budget, a missing extra)."""
     chosen = cfg.rollout.episodes
     for kind, settings in EPISODE_KINDS.items():
         section = getattr(cfg, kind, None)
-        if kind == chosen or section is None or section == settings():
-            continue
-        name = next(f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(settings(), f.name))
-        config_fail(f"{kind}.{name}", f"a setting of the {kind} episodes, but the run's episodes are {chosen!r} "
-                                      f"(rollout.episodes)")
-    cfg.episode_settings.check_run(max_new_tokens=cfg.rollout.max_new_tokens)
+        if kind != chosen and section is not None:
+            _refuse_changed(kind, section, settings(), f"a setting of the {kind} episodes, but the run's episodes "
+                                                       f"are {chosen!r} (rollout.episodes)")
+    own = cfg.episode_settings
+    if not own.uses_proxy:
+        users = " and ".join(k for k, s in EPISODE_KINDS.items() if s.uses_proxy)
+        _refuse_changed("proxy", cfg.proxy, ProxySettings(), f"a setting of the recording proxy, which the run's "
+                                                             f"episodes {chosen!r} (rollout.episodes) do not play "
+                                                             f"through ({users} do)")
+    own.check_run(max_new_tokens=cfg.rollout.max_new_tokens)
+    if own.uses_proxy:
+        cfg.proxy.check_run(max_new_tokens=cfg.rollout.max_new_tokens, kind=chosen)
+
+
+def _refuse_changed(section: str, settings, defaults, why: str) -> None:
+    """ConfigError naming the first field of `settings` (the config section `section`) off its default, and `why`."""
+    changed = [f.name for f in dataclasses.fields(settings) if getattr(settings, f.name) != getattr(defaults, f.name)]
+    if changed:
+        config_fail(f"{section}.{changed[0]}", why)
 
 
 def choose(cfg, *, episodes: str | None = None):
     """`cfg` with another episode kind chosen, the settings of the kinds no longer chosen back at their defaults (the
     command line's `--rollout.episodes` over a preset or config of another kind starts from here; an engine chosen on
-    the command line starts from its kind's settings the same way, `dppo.train.engine_flags.engines_of`). A name that
-    is no kind changes nothing (the command line's parser then names it)."""
+    the command line starts from its kind's settings the same way, `dppo.train.engine_flags.engines_of`), and the
+    proxy's settings back at theirs when the kind chosen plays through none (`uses_proxy`). A name that is no kind
+    changes nothing (the command line's parser then names it)."""
     if episodes not in EPISODE_KINDS or episodes == cfg.rollout.episodes:
         return cfg
     sections = {kind: settings() for kind, settings in EPISODE_KINDS.items() if kind != episodes and hasattr(cfg, kind)}
+    if not EPISODE_KINDS[episodes].uses_proxy and hasattr(cfg, "proxy"):
+        sections["proxy"] = ProxySettings()
     return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, episodes=episodes), **sections)

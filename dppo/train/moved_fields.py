@@ -4,9 +4,11 @@ message says, and `--resume` goes on)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from dppo._checks import ConfigError
+from dppo.episodes.settings import ProxySettings
 from dppo.train.engine_flags import with_flags
 from dppo.train.rollout_config import RolloutConfig
 
@@ -25,9 +27,12 @@ MOVED = {
     "rollout.server_args": "rollout.vllm_server.args",
     "rollout.server_weights_dir": "rollout.vllm_server.weights_dir",
     "rollout.lora_sync": "rollout.vllm_server.lora_sync",
+    **{f"{kind}.{f.name}": f"proxy.{f.name}" for kind in ("agent", "verifiers") for f in fields(ProxySettings)},
 }
 """Fields of a config.yaml written by an older dppo -> where each lives now (issue 48: each engine's settings in its
-own node). Such a file is refused before any model loads, naming every moved field and its new place."""
+own node; issue 61: the recording proxy's settings, once in both the agent and the verifiers section, in one `proxy`
+section). Such a file is refused before any model loads, naming every moved field and its new place; the command
+line's flags of the same fields too (`check_moved_flags`)."""
 
 
 MOVED_VALUES = {
@@ -36,7 +41,7 @@ MOVED_VALUES = {
         "client and shuffle are verifiers.taskset, verifiers.options, verifiers.harness, verifiers.client and "
         "verifiers.shuffle; its tokenizer is the run's model's; size, eval_size and seed stay in task)",
     ("agent", "name", "verifiers"):
-        "rollout.episodes verifiers (agent.max_calls, max_tokens, timeout_s and concurrency are verifiers.*)",
+        "rollout.episodes verifiers (agent.max_calls, max_tokens, timeout_s and concurrency are proxy.*)",
 }
 """Values of an older dppo that chose what is now another field (issue 61: a verifiers taskset, once a task and an
 agent named together, is the episode kind `verifiers` with its own section) -> the new spelling."""
@@ -65,7 +70,7 @@ def check_moved(data: dict[str, Any], source: str) -> None:
         if "episodes" not in rollout and (data.get(kind) or {}).get("name"):
             found.append(f"{kind}.name chooses nothing now: the episode kind is rollout.episodes ({kind})")
     if "episodes" not in rollout and (data.get("agent") or {}).get("name") and "max_tokens" in (data.get("env") or {}):
-        found.append("env.max_tokens (an agent's row) is now agent.max_tokens")
+        found.append("env.max_tokens (an agent's row) is now proxy.max_tokens")
     found += _moved_engine_fields(rollout)
     if found:
         raise ConfigError(f"{found[0].split()[0]}: {source} was written by an older dppo; edit it: "

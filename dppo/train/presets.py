@@ -91,7 +91,7 @@ def calculator_agent() -> Config:
     (`dppo.episodes.examples.calculator:solve`: the same prompt, tool schema and scoring), trained through the
     recording proxy; the same warm start serves it (`dppo sft --preset calculator`)."""
     return replace(choose(calculator(), episodes="agent"),
-                   agent={"name": "dppo.episodes.examples.calculator:solve", "max_calls": 3, "max_tokens": 160})
+                   agent={"name": "dppo.episodes.examples.calculator:solve"}, proxy={"max_calls": 3, "max_tokens": 160})
 
 
 def feedback() -> Config:

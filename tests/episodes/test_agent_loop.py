@@ -24,7 +24,7 @@ from dppo.episodes.env_loop import EnvCollector
 from dppo.episodes.proxy import Proxy
 from dppo.episodes.proxy_requests import RequestError, check_request
 from dppo.episodes.results import episode_rewards, first_rows, row_episodes
-from dppo.episodes.settings import AgentSettings, EnvSettings
+from dppo.episodes.settings import AgentSettings, EnvSettings, ProxySettings
 from dppo.example import Example
 from dppo.rollout.base import SamplingParams
 from dppo.rollout.hf import HFEngine
@@ -51,18 +51,15 @@ BATCHES: list[list[int]] = []
 """The engine calls' sizes of each `collect` (its proxy's `batch_sizes`), newest last."""
 
 
-def settings(name: str, **agent) -> AgentSettings:
-    """The agent `name` of tests/data/agents.py with the run config's defaults but `agent`'s."""
-    return AgentSettings(name=f"{AGENTS}:{name}", **agent)
+def spec(name: str, max_tokens: int = 128, **proxy) -> AgentEpisodes:
+    """The episodes of agent `name` of tests/data/agents.py through a proxy of the run config's defaults but `proxy`'s
+    (its rows' budget `max_tokens`)."""
+    return AgentSettings(name=f"{AGENTS}:{name}").episodes(
+        max_new_tokens=8, proxy=ProxySettings(max_tokens=max_tokens, **proxy))
 
 
-def spec(name: str, max_tokens: int = 128, **agent) -> AgentEpisodes:
-    """The episodes of agent `name` (its rows' budget `max_tokens`)."""
-    return settings(name, max_tokens=max_tokens, **agent).episodes(max_new_tokens=8)
-
-
-def collect(name: str, engine, examples=EXAMPLES, p=None, **agent):
-    collector = spec(name, **agent).collector()
+def collect(name: str, engine, examples=EXAMPLES, p=None, **proxy):
+    collector = spec(name, **proxy).collector()
     try:
         return collector(engine, examples, p or params())
     finally:
@@ -213,7 +210,7 @@ def test_completion_calls_with_token_ids_join_by_ids(model, tokenizer):
     ({"tool_choice": "required"}, "tool_choice"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"frobnicate": 1}, "frobnicate"), ({"max_tokens": 0}, "max_tokens")])
 def test_a_refused_sampling_parameter_gets_the_openai_error_shape(model, tokenizer, body, param):
-    proxy = Proxy(settings("two_calls", max_tokens=128))
+    proxy = Proxy(ProxySettings(max_tokens=128))
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tokenizer), params())
@@ -234,7 +231,7 @@ def test_a_refused_sampling_parameter_gets_the_openai_error_shape(model, tokeniz
 
 
 def test_exposed_proxy_needs_the_runs_key_and_caps_request_size(model, tokenizer):
-    proxy = Proxy(settings("two_calls", host="0.0.0.0", max_request_bytes=2000, max_tokens=128))
+    proxy = Proxy(ProxySettings(host="0.0.0.0", max_request_bytes=2000, max_tokens=128))
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tokenizer), params())
@@ -310,7 +307,7 @@ def test_the_trainer_trains_on_agent_rows_in_every_mode_and_mu_is_the_sampling_v
     from test_async_source import _Recording
     from test_env_loop import check_mu_is_the_sampling_versions
 
-    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:scripted", "max_tokens": 120},
+    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:scripted"}, proxy={"max_tokens": 120},
                        rollout={"episodes": "agent", "engine": "hf", "dtype": "float32", "max_new_tokens": 4, **MODES[mode]},
                        train={"threads": 1, "steps": 3})
     trainer = _Recording(cfg, tmp_path)
@@ -338,7 +335,7 @@ def test_an_episodes_rows_share_its_advantage_in_the_trainer(tmp_path, region):
             self.seen = (batch, adv.clone())
             return super()._update(batch, adv, old, timer)
 
-    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:edits_history", "max_tokens": 64},
+    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:edits_history"}, proxy={"max_tokens": 64},
                        rollout={"episodes": "agent", "engine": "hf", "max_new_tokens": 4}, train={"steps": 1, "mini_batches": 2},
                        loss={"trust_region": region})
     trainer = Recording(cfg, tmp_path)
@@ -364,7 +361,7 @@ def test_an_episodes_rows_share_its_advantage_in_the_trainer(tmp_path, region):
 
 def test_an_agents_calls_past_env_max_turns_are_turn_units_of_their_own_in_the_loss(tmp_path, monkeypatch):
     """Per-turn units (`loss.sequence_unit turn`, and GSPO per turn) number an agent's turns by call, up to
-    agent.max_calls: the loss's unit count comes from the episode kind (`max_turns`: the agent's calls), so no call
+    proxy.max_calls: the loss's unit count comes from the episode kind (`max_turns`: the agent's calls), so no call
     is merged into another's unit. (Before, the trainer passed env.max_turns, 4 by default: calls 5 and 6 were
     clamped into call 4's unit.)"""
     from conftest import smoke_config
@@ -380,7 +377,7 @@ def test_an_agents_calls_past_env_max_turns_are_turn_units_of_their_own_in_the_l
         return inputs
 
     monkeypatch.setattr(trainer_module, "loss_inputs", recording)
-    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:six_calls", "max_calls": 8, "max_tokens": 400},
+    cfg = smoke_config(tmp_path, agent={"name": f"{AGENTS}:six_calls"}, proxy={"max_calls": 8, "max_tokens": 400},
                        rollout={"episodes": "agent", "engine": "hf", "max_new_tokens": 4}, train={"threads": 1, "steps": 1},
                        loss={"sequence_mask": "max_divergence", "sequence_unit": "turn"})
     assert cfg.env.max_turns == 4
@@ -395,7 +392,7 @@ def test_an_agents_calls_past_env_max_turns_are_turn_units_of_their_own_in_the_l
             turns, row_units = inputs.turn_index[b][mask[b]].tolist(), units[b][mask[b]].tolist()
             assert len(set(turns)) == len(set(row_units)) == len(set(zip(turns, row_units)))  # one unit per call
             calls = max(calls, len(set(turns)))
-    assert calls == 6 and all(inputs.n_turns == 8 for _, inputs in seen)  # agent.max_calls
+    assert calls == 6 and all(inputs.n_turns == 8 for _, inputs in seen)  # proxy.max_calls
 
 
 def test_bad_agent_settings_fail_before_any_model_loads(tmp_path, monkeypatch):
@@ -414,8 +411,8 @@ def test_bad_agent_settings_fail_before_any_model_loads(tmp_path, monkeypatch):
             ({"name": f"{AGENTS}:two_calls"}, {"env": {"name": "feedback"}},
              "^env.name: a setting of the env episodes, but the run's episodes are 'agent' \\(rollout.episodes\\)"),
             ({"name": ""}, {}, "^agent.name: rollout.episodes agent needs an agent"),
-            ({"name": f"{AGENTS}:two_calls", "max_calls": 0}, {}, "^agent.max_calls: expected >= 1"),
-            ({"name": f"{AGENTS}:two_calls", "port": 70000}, {}, "^agent.port")]:
+            ({"name": f"{AGENTS}:two_calls"}, {"proxy": {"max_calls": 0}}, "^proxy.max_calls: expected >= 1"),
+            ({"name": f"{AGENTS}:two_calls"}, {"proxy": {"port": 70000}}, "^proxy.port")]:
         with pytest.raises(ValueError, match=match):
             trainer_module.Trainer(smoke_config(tmp_path, rollout={"episodes": "agent"}, agent=agent, **extra), tmp_path)
 
@@ -444,7 +441,7 @@ def test_messages_the_chat_template_cannot_render_are_refused_not_a_server_error
     tok.chat_template = ("{%- for m in messages -%}{%- if m.role == 'tool' -%}{{ raise_exception('no tool role') }}"
                          "{%- endif -%}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endfor -%}"
                          "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}")
-    proxy = Proxy(settings("two_calls", max_tokens=128))
+    proxy = Proxy(ProxySettings(max_tokens=128))
     proxy.start()
     try:
         proxy.begin(HFEngine(model, tok), params())
@@ -462,7 +459,7 @@ def test_a_call_past_its_rows_token_budget_is_refused_and_the_episode_counted_tr
     assert len(rows) == 2
     for r in rows:  # the first call fits; the second ("again" rendered after it) would pass 12 response tokens
         assert r.episode.turns == 1 and r.episode.truncated == 1.0 and r.finish_reason == "length"
-        assert "context_length_exceeded" in r.episode.error or "agent.max_tokens" in r.episode.error
+        assert "context_length_exceeded" in r.episode.error or "proxy.max_tokens" in r.episode.error
         assert r.episode.refused_calls == 1.0
 
 
@@ -473,7 +470,7 @@ def test_evaluation_reports_the_episodes_that_failed(tmp_path, capsys):
     from dppo.train.trainer import Trainer
 
     cfg = smoke_config(tmp_path, rollout={"episodes": "agent", "max_new_tokens": 4},
-                       agent={"name": f"{AGENTS}:raises", "max_tokens": 64},
+                       agent={"name": f"{AGENTS}:raises"}, proxy={"max_tokens": 64},
                        task={"eval_size": 3}, train={"threads": 1, "eval_samples_per_prompt": 2})
     with Trainer(cfg, tmp_path) as trainer:
         result = trainer.evaluate_and_log()
@@ -490,7 +487,8 @@ def test_a_clients_top_logprobs_is_answered_in_training_and_in_evaluation(tmp_pa
 
     cfg = smoke_config(tmp_path, rollout={"episodes": "agent", "engine": "hf", "dtype": "float32", "max_new_tokens": 3,
                                           "prompts_per_step": 2, "group_size": 2},
-                       agent={"name": f"{AGENTS}:asks_top_logprobs", "max_tokens": 64}, loss={"trust_region": region},
+                       agent={"name": f"{AGENTS}:asks_top_logprobs"}, proxy={"max_tokens": 64},
+                       loss={"trust_region": region},
                        task={"eval_size": 2}, train={"threads": 1, "eval_samples_per_prompt": 1})
     assert cfg.top_k_logprobs == (1 if region == "dppo_binary_tv" else 20)
     with Trainer(cfg, tmp_path) as trainer:

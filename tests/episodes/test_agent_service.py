@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dppo.episodes.results import first_rows
-from dppo.episodes.settings import AgentSettings
+from dppo.episodes.settings import AgentSettings, ProxySettings
 from dppo.rollout.hf import HFEngine
 from dppo.train.config import ConfigError
 from test_agent_loop import EXAMPLES, model, params  # noqa: F401 - `model` is a fixture
@@ -84,7 +84,8 @@ def service():
 
 
 def collect(url: str, model, tokenizer, **agent):
-    collector = AgentSettings(url=url, max_tokens=128, **agent).episodes(max_new_tokens=8).collector()
+    episodes = AgentSettings(url=url, **agent).episodes(max_new_tokens=8, proxy=ProxySettings(max_tokens=128))
+    collector = episodes.collector()
     try:
         return collector(HFEngine(model, tokenizer), EXAMPLES, params(n=2))
     finally:
@@ -150,7 +151,7 @@ def test_the_trainer_trains_two_steps_on_an_agent_service(service, tmp_path):
     from conftest import smoke_config
     from dppo.train.trainer import Trainer
 
-    cfg = smoke_config(tmp_path, agent={"url": f"{service}/ok", "max_tokens": 120},
+    cfg = smoke_config(tmp_path, agent={"url": f"{service}/ok"}, proxy={"max_tokens": 120},
                        rollout={"episodes": "agent", "engine": "hf", "dtype": "float32", "max_new_tokens": 4},
                        train={"threads": 1, "steps": 2})
     trainer = Trainer(cfg, run_dir=tmp_path)

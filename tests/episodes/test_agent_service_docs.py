@@ -21,7 +21,7 @@ import pytest
 
 from dppo.episodes.agent_service import ServiceError, service_agent
 from dppo.episodes.results import first_rows
-from dppo.episodes.settings import AgentSettings
+from dppo.episodes.settings import AgentSettings, ProxySettings
 from dppo.example import Example
 from dppo.rollout.hf import HFEngine
 from test_agent_loop import EXAMPLES, model, params  # noqa: F401 - `model` is a fixture
@@ -61,7 +61,7 @@ def docs_service():
 
 
 def collect(url: str, model, tokenizer, examples):
-    collector = AgentSettings(url=url, max_tokens=128).episodes(max_new_tokens=8).collector()
+    collector = AgentSettings(url=url).episodes(max_new_tokens=8, proxy=ProxySettings(max_tokens=128)).collector()
     try:
         return collector(HFEngine(model, tokenizer), examples, params(n=2))
     finally:
@@ -80,7 +80,7 @@ def test_the_docs_service_trains_two_steps_on_the_smoke_presets_raw_text_task(do
     from conftest import smoke_config
     from dppo.train.trainer import Trainer
 
-    cfg = smoke_config(tmp_path, agent={"url": docs_service, "max_tokens": 120},
+    cfg = smoke_config(tmp_path, agent={"url": docs_service}, proxy={"max_tokens": 120},
                        rollout={"episodes": "agent", "engine": "hf", "dtype": "float32", "max_new_tokens": 4},
                        train={"threads": 1, "steps": 2})
     assert cfg.task.name == "addition"  # raw-text prompts: "12+34=", no chat messages

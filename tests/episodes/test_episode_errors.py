@@ -9,7 +9,7 @@ import pytest
 
 from dppo.episodes.errors import describe_error
 from dppo.episodes.results import first_rows
-from dppo.episodes.settings import AgentSettings
+from dppo.episodes.settings import AgentSettings, ProxySettings
 from dppo.rollout.hf import HFEngine
 from test_agent_loop import EXAMPLES, model, params  # noqa: F401 - `model` is a fixture
 
@@ -78,7 +78,8 @@ def test_an_agent_that_raises_an_error_without_a_message_gets_an_informative_epi
     agent = tmp_path / "agent.py"
     agent.write_text("import httpx\n\n\ndef solve(client, example):\n"
                      "    raise httpx.ReadError('', request=httpx.Request('POST', 'http://127.0.0.1:9/run'))\n")
-    collector = AgentSettings(name=f"{agent}:solve", max_tokens=64).episodes(max_new_tokens=8).collector()
+    collector = AgentSettings(name=f"{agent}:solve").episodes(max_new_tokens=8,
+                                                              proxy=ProxySettings(max_tokens=64)).collector()
     try:
         episodes = first_rows(collector(HFEngine(model, tokenizer), EXAMPLES, params(n=1)))
     finally:

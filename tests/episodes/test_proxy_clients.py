@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dppo.episodes.proxy import Proxy
-from dppo.episodes.settings import AgentSettings
+from dppo.episodes.settings import ProxySettings
 from dppo.example import Example
 from dppo.rollout.base import SamplingParams
 from dppo.rollout.hf import HFEngine
@@ -41,7 +41,7 @@ def params() -> SamplingParams:
 def serve(model, tokenizer, client_fn):
     """Run `client_fn(base_url)` in a thread against a proxy whose engine this thread serves; (its result, the
     episode, the proxy's tokenizer)."""
-    proxy = Proxy(AgentSettings(name="unused:agent", max_tokens=128))
+    proxy = Proxy(ProxySettings(max_tokens=128))
     proxy.start()
     out, done = {}, threading.Event()
     try:

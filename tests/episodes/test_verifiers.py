@@ -92,7 +92,6 @@ def test_the_tasksets_tasks_are_the_runs_examples_with_a_disjoint_held_out_split
     ({"taskset": TASKSET, "options": '{"no_such_field": 1}'}, "verifiers.options"),
     ({"taskset": TASKSET, "options": '[1]'}, "verifiers.options"),
     ({"taskset": TASKSET, "client": "grpc"}, "verifiers.client"),
-    ({"taskset": TASKSET, "max_calls": 0}, "verifiers.max_calls"),
     ({"taskset": TASKSET, "harness": "no_such_harness_dppo"}, "verifiers.harness"),
     ({"taskset": TASKSET, "harness": "no/such/harness.py"}, "verifiers.harness"),
     ({"taskset": TASKSET, "harness": TASKSET}, "verifiers.harness")])
@@ -113,7 +112,7 @@ def test_the_run_builds_its_examples_and_episodes_from_the_verifiers_section_and
     from dppo.train.resolve import absolute_paths, resolution_notes
 
     cfg = smoke_config(tmp_path, rollout={"episodes": "verifiers"}, task={"size": 5, "eval_size": 3, "seed": 2},
-                       verifiers={"taskset": TASKSET, "client": "train", "max_tokens": 64})
+                       verifiers={"taskset": TASKSET, "client": "train"}, proxy={"max_tokens": 64})
     task = build_task(cfg)
     assert [e.uid for e in task.train] == [e.uid for e in cfg.verifiers.task(size=5, eval_size=3, seed=2).train]
     assert len(task.train) == 5 and len(task.eval) == 3
@@ -122,7 +121,7 @@ def test_the_run_builds_its_examples_and_episodes_from_the_verifiers_section_and
                                          f"task.seed split them)")  # (the smoke preset's addition task)
     episodes = build_episodes(cfg, task)
     assert episodes.player == Player(cfg.verifiers, tokenizer=cfg.model.name) and episodes.max_turns == 16
-    assert episodes.settings.max_tokens == 64
+    assert episodes.settings == cfg.proxy and episodes.settings.max_tokens == 64
     for given, want in (("my_sums.py", str(tmp_path / "my_sums.py")), ("sets/sums", str(tmp_path / "sets" / "sums")),
                         ("gsm8k", "gsm8k"), ("/abs/x.py", "/abs/x.py")):
         resolved = absolute_paths(smoke_config(tmp_path, rollout={"episodes": "verifiers"},
@@ -146,10 +145,11 @@ def test_an_older_dppos_task_and_agent_named_verifiers_are_refused_naming_the_ne
     old = {"rollout": {"episodes": "agent"}, "agent": {"name": "verifiers", "max_tokens": 64},
            "task": {"name": "verifiers", "options": json.dumps({"taskset": TASKSET, "client": "eval"})}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
-    with pytest.raises(ConfigError, match=r"^task\.name: .*config\.yaml was written by an older dppo; edit it: "
-                                          r"task\.name verifiers is now rollout\.episodes verifiers with the taskset "
-                                          r"in verifiers\.taskset .*; agent\.name verifiers is now rollout\.episodes "
-                                          r"verifiers \(agent\.max_calls"):
+    with pytest.raises(ConfigError, match=r"^agent\.max_tokens: .*config\.yaml was written by an older dppo; edit "
+                                          r"it: agent\.max_tokens is now proxy\.max_tokens; task\.name verifiers is "
+                                          r"now rollout\.episodes verifiers with the taskset in verifiers\.taskset "
+                                          r".*; agent\.name verifiers is now rollout\.episodes verifiers "
+                                          r"\(agent\.max_calls, max_tokens, timeout_s and concurrency are proxy\.\*\)"):
         Config.load(tmp_path / "config.yaml")
     with pytest.raises(ConfigError, match=r"^--task\.name: a flag of an older dppo; --task\.name verifiers is now "
                                           r"--rollout\.episodes verifiers"):
@@ -223,8 +223,8 @@ def test_the_trainer_trains_two_steps_on_a_verifiers_taskset(tmp_path, taskset):
     from dppo.train.trainer import Trainer
 
     cfg = smoke_config(tmp_path, task={"size": 8, "eval_size": 2},
-                       verifiers={"taskset": {"sum": TASKSET, "tools": TOOLS}[taskset], "client": "eval",
-                                  "max_tokens": 64},
+                       verifiers={"taskset": {"sum": TASKSET, "tools": TOOLS}[taskset], "client": "eval"},
+                       proxy={"max_tokens": 64},
                        rollout={"episodes": "verifiers", "engine": "hf", "dtype": "float32", "max_new_tokens": 4,
                                 "prompts_per_step": 1, "group_size": 2},
                        train={"threads": 1, "steps": 2, "micro_batch_size": 4, "mini_batches": 1})

@@ -100,13 +100,13 @@ def test_an_agent_through_the_proxy_on_the_server_engine_records_mu_and_its_topk
     top-K of an fp32 forward, the tool answers in between are inserted (mask 0)."""
     from pathlib import Path
 
-    from dppo.episodes.settings import AgentSettings
+    from dppo.episodes.settings import AgentSettings, ProxySettings
     from dppo.example import Example
     from dppo.train.batch import collate
     from dppo.train.scoring import score_responses_reference
 
     agent = f"{Path(__file__).resolve().parents[1] / 'data' / 'agents.py'}:scripted"
-    collector = AgentSettings(name=agent, max_tokens=200).episodes(max_new_tokens=6).collector()
+    collector = AgentSettings(name=agent).episodes(max_new_tokens=6, proxy=ProxySettings(max_tokens=200)).collector()
     try:
         rows = collector(engine, [Example(prompt=({"role": "user", "content": "2+3?"},), answer="5")],
                          SamplingParams(n=2, max_new_tokens=6, top_k_logprobs=4, stop_token_ids=(1,), seed=3))

@@ -1,7 +1,8 @@
 """The run config (dppo.train.config): each engine's settings node and each episode kind's section refused under another
 kind (naming the field and the kind that takes it) and carried as they are into the engine spec every rollout worker
-builds its engine from; choosing a kind on the command line; every preset resolved and round-tripped through
-config.yaml; an older config.yaml refused naming each moved field and its new place."""
+builds its engine from; the recording proxy's section refused under a kind that plays through none; choosing a kind on
+the command line; every preset resolved and round-tripped through config.yaml; an older config.yaml (and an older
+flag) refused naming each moved field and its new place."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from conftest import smoke_config
 import yaml
 
 from dppo.cli import parse_config
-from dppo.episodes.settings import EPISODE_KINDS, EnvSettings
+from dppo.episodes.settings import EPISODE_KINDS, EnvSettings, ProxySettings
 from dppo.rollout.settings import ENGINES, HFSettings, VLLMServerSettings
 from dppo.train.rollout_build import engine_spec
 from dppo.train.config import Config, ConfigError, replace
@@ -100,17 +101,59 @@ def test_the_engine_list_is_written_with_each_engines_own_settings_and_it_round_
     assert Config.load(tmp_path / "config.yaml") == cfg
 
 
+CHANGED = {"env": ("max_tokens", 99), "agent": ("post_retries", 5), "verifiers": ("shuffle", False)}
+"""A field of each episode kind's section and a value off its default."""
+
+
 @pytest.mark.parametrize("kind", sorted(k for k, s in EPISODE_KINDS.items() if dataclasses.fields(s)))
 def test_each_episode_kinds_section_is_refused_under_every_other_kind(tmp_path, kind):
     """The refusal comes from the registry: a changed field of a kind's section (the kinds with settings), under
     every other kind."""
     from conftest import smoke_config
 
+    name, value = CHANGED[kind]
     for other in EPISODE_KINDS:
         if other != kind:
-            with pytest.raises(ConfigError, match=rf"^{kind}\.max_tokens: a setting of the {kind} episodes, but the "
+            with pytest.raises(ConfigError, match=rf"^{kind}\.{name}: a setting of the {kind} episodes, but the "
                                                   rf"run's episodes are '{other}' \(rollout\.episodes\)$"):
-                smoke_config(tmp_path, rollout={"episodes": other}, **{kind: {"max_tokens": 99}})
+                smoke_config(tmp_path, rollout={"episodes": other}, **{kind: {name: value}})
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(ProxySettings)])
+def test_the_proxys_section_is_refused_under_a_kind_that_plays_through_none(tmp_path, field):
+    """One `proxy` section for every kind that declares `uses_proxy` (agent, verifiers: their episodes get it as it
+    is); a changed field of it under another kind is refused naming the field and the kinds that take it."""
+    from conftest import smoke_config
+
+    value = {"host": "0.0.0.0", "advertise_host": "10.0.0.1", "timeout_s": 5.0}.get(field, 7)
+    users = [k for k, s in EPISODE_KINDS.items() if s.uses_proxy]
+    assert users == ["agent", "verifiers"]
+    for kind in EPISODE_KINDS:
+        if kind in users:
+            cfg = smoke_config(tmp_path, rollout={"episodes": kind, "max_new_tokens": 4}, proxy={field: value})
+            assert getattr(cfg.proxy, field) == value
+            continue
+        with pytest.raises(ConfigError, match=rf"^proxy\.{field}: a setting of the recording proxy, which the run's "
+                                              rf"episodes '{kind}' \(rollout\.episodes\) do not play through "
+                                              rf"\(agent and verifiers do\)$"):
+            smoke_config(tmp_path, rollout={"episodes": kind}, proxy={field: value})
+    with pytest.raises(ConfigError, match=r"^command line: could not parse --proxy\.max-calls 3: proxy\.max_calls: a "
+                                          r"setting of the recording proxy, which the run's episodes 'single'"):
+        parse_config(["--preset", "smoke", "--proxy.max-calls", "3"], prog="dppo train")
+
+
+def test_the_proxy_kinds_get_the_proxy_section_and_a_call_longer_than_a_row_is_refused_naming_it(tmp_path):
+    from conftest import smoke_config
+    from dppo.train.build import build_episodes
+
+    cfg = smoke_config(tmp_path, rollout={"episodes": "agent", "max_new_tokens": 4},
+                       agent={"name": "my_agent.py:solve"}, proxy={"max_calls": 3, "max_tokens": 50})
+    assert build_episodes(cfg).settings is cfg.proxy and build_episodes(cfg).max_turns == 3
+    with pytest.raises(ConfigError, match=r"^rollout\.max_new_tokens: 60 \(one call\) > proxy\.max_tokens 50 "
+                                          r"\(a row\)$"):
+        smoke_config(tmp_path, rollout={"episodes": "agent", "max_new_tokens": 60}, proxy={"max_tokens": 50})
+    with pytest.raises(ConfigError, match=r"^proxy\.max_calls: expected >= 1, got 0$"):
+        ProxySettings(max_calls=0)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -128,6 +171,11 @@ def test_every_preset_resolves_and_its_config_yaml_round_trips(tmp_path, name):
 def test_choosing_a_kind_on_the_command_line_starts_from_its_defaults(tmp_path):
     cfg, _, _ = parse_config(["--preset", "calculator", "--rollout.episodes", "single"], prog="dppo eval")
     assert cfg.rollout.episodes == "single" and cfg.env == EnvSettings()
+    agent = get_preset("calculator_agent")  # (its proxy: 3 calls of a 160-token row)
+    cfg, _, _ = parse_config(["--preset", "calculator_agent", "--rollout.episodes", "env"], prog="dppo eval")
+    assert cfg.proxy == ProxySettings() != agent.proxy  # env plays through no proxy: its settings went with agent
+    cfg, _, _ = parse_config(["--preset", "calculator_agent", "--rollout.episodes", "verifiers"], prog="dppo eval")
+    assert cfg.proxy == agent.proxy  # the proxy is the same for the kinds that play through it
     replace(get_preset("smoke"), rollout={"hf": {"max_batch_rows": 4}}).save(tmp_path / "hf.yaml")
     cfg, _, _ = parse_config(["--config", str(tmp_path / "hf.yaml"), "--rollout.engine", "vllm"], prog="dppo train")
     assert [n.kind for n in cfg.rollout.engines] == ["vllm"]  # the file's hf settings went with hf
@@ -142,13 +190,32 @@ def test_choosing_a_kind_on_the_command_line_starts_from_its_defaults(tmp_path):
 
 def test_an_old_config_yaml_whose_episodes_were_chosen_by_a_name_is_refused_naming_the_new_choice(tmp_path):
     data = Config().to_dict()
-    del data["rollout"]["episodes"], data["agent"]["max_tokens"]
+    del data["rollout"]["episodes"], data["proxy"]
     data["agent"]["name"], data["env"]["max_tokens"] = "my_agent.py:solve", 120
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match=r"^agent\.name: .* was written by an older dppo; edit it: agent\.name "
                                           r"chooses nothing now: the episode kind is rollout\.episodes \(agent\); "
-                                          r"env\.max_tokens \(an agent's row\) is now agent\.max_tokens$"):
+                                          r"env\.max_tokens \(an agent's row\) is now proxy\.max_tokens$"):
         Config.load(tmp_path / "config.yaml")
+
+
+def test_an_old_config_yaml_and_old_flags_of_the_proxys_settings_are_refused_naming_the_proxy_section(tmp_path):
+    """The recording proxy's settings were the agent and the verifiers sections' own (both): a run directory and the
+    flags of an older dppo are refused naming each field's place in `proxy`."""
+    data = Config().to_dict()
+    del data["proxy"]
+    data["agent"].update(max_calls=3, port=8100)
+    data["verifiers"]["timeout_s"] = 300.0
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"^agent\.max_calls: .*config\.yaml was written by an older dppo; edit it: "
+                                          r"agent\.max_calls is now proxy\.max_calls; agent\.port is now proxy\.port; "
+                                          r"verifiers\.timeout_s is now proxy\.timeout_s$"):
+        Config.load(tmp_path / "config.yaml")
+    with pytest.raises(ConfigError, match=r"^--agent\.max-calls: a flag of an older dppo; --agent\.max-calls is now "
+                                          r"--proxy\.max-calls; --verifiers\.max-concurrent-requests is now "
+                                          r"--proxy\.max-concurrent-requests$"):
+        parse_config(["--preset", "smoke", "--rollout.episodes", "agent", "--agent.max-calls", "3",
+                      "--verifiers.max-concurrent-requests=9"], prog="dppo train")
 
 
 def test_a_setting_of_a_kind_beside_engine_auto_is_refused_naming_the_engine_to_choose(tmp_path):

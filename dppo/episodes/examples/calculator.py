@@ -1,6 +1,7 @@
 """The calculator task as an agent written against an OpenAI client: no dppo import, only the standard library.
 
-    dppo train --agent.name dppo.episodes.examples.calculator:solve --task.name chain_sum ... (or --preset calculator_agent)
+    dppo train --rollout.episodes agent --agent.name dppo.episodes.examples.calculator:solve --task.name chain_sum ...
+    dppo train --preset calculator_agent   # the same, from the preset
 
 `solve(client, example)` asks the model, runs the `calculate` tool it calls (OpenAI `tool_calls`), sends the result
 back as a `tool` message, and scores the final answer: 1.0 when its last number is the gold answer. It is the
