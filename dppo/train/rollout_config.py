@@ -31,8 +31,8 @@ class RolloutCommon:
     """What one rollout is: single = one answer per prompt, scored by the task's reward; env = multi-turn episodes
     with the environment of the `env` section (env.name); agent = an agent's episodes through dppo's recording proxy
     (the `agent` section); verifiers = a verifiers v1 taskset's tasks played by verifiers' harness and client through
-    the proxy (the `verifiers` section; its tasks are the run's examples). The settings of a kind the run does not
-    use are refused (docs/agents.md)."""
+    the proxy (the `verifiers` section; its tasks are the run's examples); the proxy's own settings are the `proxy`
+    section. The settings of a kind the run does not use are refused (docs/agents.md)."""
     prompts_per_step: int = 8
     """P: prompts sampled per training step."""
     group_size: int = 8
