@@ -74,9 +74,15 @@ def warm_chat_model(tmp_path_factory):
 
 def test_dppo_raises_the_reward_of_multi_turn_retries(warm_chat_model, tmp_path):
     """The `feedback` environment (a wrong answer is told to try again, up to 3 turns; reward 0.5^attempt) on the
-    warm-started tiny model: DPPO over whole episodes, generated tokens only, raises the training reward."""
+    warm-started tiny model: DPPO over whole episodes, generated tokens only, raises the training reward.
+
+    The retry message is "No." rather than the default "That is not right. Try again.": an episode of three turns
+    is ~47 tokens instead of ~93, which halves the cost of each step (the training forward and backward over whole
+    episodes dominate), and 30 steps instead of 40: ~3x less CPU. Measured on the AVX2 Zen 3 (one thread, as in the
+    suite): +0.118 (0.107 -> 0.225) in 30 steps; the default message in 40 steps gave +0.104 (0.141 -> 0.245)."""
     cfg = replace(learning_config(warm_chat_model, tmp_path), rollout={"episodes": "env", "dtype": "float32", "max_new_tokens": 4},
-                  env={"name": "feedback", "max_turns": 3, "max_tokens": 160}, train={"steps": 40, "eval_before": False})
+                  env={"name": "feedback", "options": '{"retry_message": "No."}', "max_turns": 3, "max_tokens": 160},
+                  train={"steps": 30, "eval_before": False})
     trainer = Trainer(cfg, tmp_path)
     try:
         trainer.train()
@@ -88,5 +94,5 @@ def test_dppo_raises_the_reward_of_multi_turn_retries(warm_chat_model, tmp_path)
     turns = [r["episode/turns_mean"] for r in rows]
     print(f"feedback: training reward {start:.3f} -> {end:.3f}; turns {turns[0]:.2f} -> {turns[-1]:.2f}")
     assert rows[0]["episode/env_token_frac"] > 0.3  # the retries are really there, and not trained
-    assert end >= start + 0.06, f"reward did not rise enough: {start:.3f} -> {end:.3f}"  # (measured +0.098)
+    assert end >= start + 0.06, f"reward did not rise enough: {start:.3f} -> {end:.3f}"  # (measured +0.118)
     assert turns[-1] < turns[0]  # right earlier: fewer retries

@@ -4,7 +4,9 @@ The points: after the rollout, after the first optimiser step, inside a checkpoi
 marker), and halfway through the append of a metrics.jsonl line (the resume cuts the torn line, with a warning).
 
 Conditions for bitwise equality (stated in the README): CPU, the `hf` engine (its sampling is seeded per step and
-per row), the same thread count. The crash is injected with DPPO_FAULT_INJECT (dppo.runtime.faults).
+per row), the same thread count. The crash is injected with DPPO_FAULT_INJECT (dppo.runtime.faults). The
+uninterrupted and the killed runs are processes of their own (one thread); each resume runs in this process (one
+thread too, tests/conftest.py), which saves a Python start and dppo's imports per test.
 """
 
 import json
@@ -44,17 +46,20 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("point", ["rollout@3", "update@3", "checkpoint@3", "log@3"])
-def test_kill9_then_resume_matches_uninterrupted_run(reference, tmp_path, point):
+def test_kill9_then_resume_matches_uninterrupted_run(reference, tmp_path, capsys, point):
+    from dppo.cli import main
+
     run = tmp_path / "run"
     crashed = _run([*ARGS, "--run-dir", str(run)], env_extra={"DPPO_FAULT_INJECT": point})
     assert crashed.returncode == -9, (crashed.returncode, crashed.stderr[-2000:])
     steps = sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*") if (p / "COMPLETE").exists())
     assert steps == [1, 2]  # the checkpoint being written when killed (step 3) is not complete
-    resumed = _run(["train", "--resume", str(run), "--log.no-progress"])
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from" in resumed.stdout and "step_000002" in resumed.stdout
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "--log.no-progress"]) == 0
+    resumed = capsys.readouterr()
+    assert "resumed from" in resumed.out and "step_000002" in resumed.out
     torn = f"[dppo] warning: {run / 'metrics.jsonl'}: dropped "
-    assert (torn in resumed.stderr) == (point == "log@3"), resumed.stderr[-2000:]
+    assert (torn in resumed.err) == (point == "log@3"), resumed.err[-2000:]
     assert not list((run / "checkpoints").glob(".tmp_*"))
     a = load_file(str(reference / "checkpoints" / "step_000005" / "model.safetensors"))
     b = load_file(str(run / "checkpoints" / "step_000005" / "model.safetensors"))
