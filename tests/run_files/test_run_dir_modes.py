@@ -230,7 +230,9 @@ def torchrun_reference(tmp_path_factory) -> Path:
 def test_torchrun_full_disk_on_rank_0_stops_every_rank_and_resume_matches(torchrun_reference, tmp_path, site):
     """ENOSPC at rank 0's write of `site` in step 3: rank 0 prints the one line and exits 1; rank 1 exits
     non-zero well within train.dist_timeout_s (the launcher's timeout bounds the test, so a hang fails it), and
-    torchrun --resume then ends as the uninterrupted torchrun run.
+    torchrun --resume then ends as the uninterrupted torchrun run; after the second, one process resumes the
+    2-process FSDP2 run for one more step (any world size resumes a checkpoint; this was
+    tests/train/test_distributed.py's `test_torchrun_train_then_resume_at_any_world_size`, two more torchrun launches).
 
     Rank 1 says why at either site: a checkpoint is written by rank 0 inside a collective agreement
     (`save_training_checkpoint`), and a step's log line is followed by one (`Trainer.train`), so rank 1 raises the
@@ -253,6 +255,9 @@ def test_torchrun_full_disk_on_rank_0_stops_every_rank_and_resume_matches(torchr
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stdout.count("resumed from") == 1 and "step_000002" in resumed.stdout
     _assert_like_the_reference(run, torchrun_reference)
+    if site == "optimizer.pt":  # a checkpoint is full (rank 0 gathers FSDP2's shards): one process goes on from it
+        assert main(["train", "--resume", str(run), "--train.steps", str(STEPS + 1), "--log.no-progress", "--no-hf"]) == 0
+        assert [r["step"] for r in _rows(run)] == list(range(1, STEPS + 2))
 
 
 if __name__ == "__main__":  # one rank of the torchrun test: ENOSPC at SITE from its AT-th write on rank 0

@@ -2,7 +2,8 @@
 
 - Gradient equality: the trainer's update path (`Trainer._update`) on a fixed global batch, sharded over 2 ranks,
   gives the gradients and parameters of the 1-process update of the whole batch (DDP and FSDP2; DPPO and PPO-clip).
-- End to end under torchrun (FSDP2), resume of that run (2 processes, then 1 process: any world size loads it).
+- End to end under torchrun (FSDP2), resumed by torchrun and then by 1 process (any world size loads a checkpoint):
+  tests/run_files/test_run_dir_modes.py's torchrun test, which also stops the run with a full disk first.
 - A failing rank (non-finite reward, engine exception, killed process) fails every rank, non-zero, no hang.
 - Bad input: world size not dividing rollout.prompts_per_step, configs that differ between ranks, no rendezvous.
 
@@ -11,7 +12,6 @@ This file is also the per-rank worker of the equality and engine-failure tests (
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -81,11 +81,6 @@ def _run_update(trainer, batch, adv):
     from dppo.run_files.checkpoint import full_state
     weights = full_state(trainer.dist, trainer.model, trainable_only=True, rank0_only=False)
     return grads, {k: float(v) for k, v in stats.items()}, {k: v.clone() for k, v in weights.items()}
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _metric_steps(run):
-    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 # ---------------------------------------------------------------------------------------------- equality
@@ -204,26 +199,6 @@ def test_two_process_update_equals_one_process_update(global_batch, tmp_path, mo
             torch.testing.assert_close(weights[name], ref_weights[name], rtol=0, atol=2e-5,
                                        msg=lambda m, n=name: f"{case} weight {n}: {m}")
         ref.close()
-
-
-# ---------------------------------------------------------------------------------------------- end to end
-def test_torchrun_train_then_resume_at_any_world_size(tmp_path):
-    from dppo.cli import main
-
-    run = tmp_path / "run"
-    args = ["-m", "dppo.cli", "train", "--preset", "smoke", "--run-dir", str(run), "--train.steps", "2",
-            "--train.checkpoint-every", "1", *QUIET]
-    first = _torchrun(args)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert _metric_steps(run) == [1, 2]
-    assert (run / "checkpoints" / "step_000002" / "COMPLETE").is_file()
-    resumed = _torchrun(["-m", "dppo.cli", "train", "--resume", str(run), "--train.steps", "3", "--log.no-progress"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert resumed.stdout.count("resumed from") == 1 and "step_000002" in resumed.stdout  # rank 0 alone prints
-    assert _metric_steps(run) == [1, 2, 3]
-    # the checkpoint holds full weights and index-keyed optimizer state: one process continues the FSDP2 run
-    assert main(["train", "--resume", str(run), "--train.steps", "4", "--log.no-progress"]) == 0
-    assert _metric_steps(run) == [1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------------------------------- failures
