@@ -435,7 +435,7 @@ def cmd_sft(argv: list[str]) -> int:
     if args.examples < 0:
         raise ConfigError(f"--examples: expected >= 0, got {args.examples}")
     cfg, ns, label = parse_config(rest, prog="dppo sft", resume=False)
-    if cfg.rollout.episodes != "env" or not cfg.env.name:
+    if not cfg.episode_settings.demonstrations or not cfg.env.name:
         raise ConfigError("rollout.episodes: dppo sft trains on an environment's demonstrations; give a preset with "
                           "an environment (calculator, python_tool, feedback) or --rollout.episodes env --env.name NAME")
     out = Path(args.out)

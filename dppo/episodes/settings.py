@@ -62,6 +62,11 @@ class EpisodeKindSettings:
     supplies_examples: ClassVar[bool] = False
     """Whether the kind supplies the run's examples (`task`); the task section's name, options and system prompt then
     go unused (its size, eval_size and seed split the kind's examples)."""
+    one_engine_call: ClassVar[bool] = False
+    """Whether an episode is one engine call (a single answer): then several engines in one process can share a batch
+    (`dppo.rollout.fleet` deals whole prompts per call; an episode of several calls would span engines)."""
+    demonstrations: ClassVar[bool] = False
+    """Whether its episodes come with demonstrations `dppo sft` can warm-start on (an environment's)."""
     uses_proxy: ClassVar[bool] = False
     """Whether the kind's episodes run through dppo's recording proxy: its `episodes` then plays them with the run's
     proxy settings (`ProxySettings`, the config's `proxy` section), which a run of another kind leaves at defaults."""
@@ -81,6 +86,7 @@ class SingleSettings(EpisodeKindSettings):
 
     scored_by_task: ClassVar[bool] = True
     noun: ClassVar[str] = "answer"
+    one_engine_call: ClassVar[bool] = True
 
     @property
     def max_turns(self) -> int:
@@ -100,6 +106,8 @@ class EnvSettings(EpisodeKindSettings):
     """Multi-turn episodes (rollout.episodes env; docs/agents.md): an environment answers each assistant turn. The
     episode limits' defaults live here only, checked here once (`dppo.episodes.env_loop` runs the episodes with these
     settings)."""
+
+    demonstrations: ClassVar[bool] = True
 
     name: str = ""
     """An environment (calculator, python, feedback, mcp: an MCP server's tools, openenv: an OpenEnv server's) or

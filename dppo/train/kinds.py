@@ -39,7 +39,7 @@ def check_engines(rollout) -> None:
     if rollout.in_flight_updates and any(n.fp8 for n in rollout.engines):
         config_fail("rollout.in_flight_updates", "needs engines without fp8 weights (rollout.quantization none)")
     many = len(rollout.engines) > 1
-    if many and rollout.mode == "sync" and rollout.episodes != "single":
+    if many and rollout.mode == "sync" and not EPISODE_KINDS[rollout.episodes].one_engine_call:
         config_fail("rollout.fleet", f"several engines in one process need rollout.episodes single, got "
                                      f"{rollout.episodes!r} (an episode's turns are separate engine calls: its turns "
                                      f"and its group would go to different engines); rollout.mode async gives each "
