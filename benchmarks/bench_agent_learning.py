@@ -36,7 +36,7 @@ def run_arm(preset: str, sft: Path, out: Path, args) -> dict:
              **({"steps": args.steps} if args.steps else {})}
     model = {"name": str(sft), **({"precision": args.precision} if args.precision else {})}
     cfg = replace(get_preset(preset), model=model, train=train, task={"eval_size": args.eval_size},
-                  log={"tensorboard": False, "progress": False, "run_dir": str(out)})
+                  log={"report_to": ("none",), "progress": False, "run_dir": str(out)})
     return train_arm(cfg, out)
 
 

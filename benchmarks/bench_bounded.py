@@ -105,7 +105,7 @@ def feedback_steps(episodes: int, steps: int):
                       task={"name": "addition", "options": '{"digits": 1}', "size": 80, "eval_size": 0},
                       env={"name": "feedback", "max_turns": 3, "max_tokens": 160},
                       train={"steps": steps, "eval_before": False},
-                      log={"run_dir": str(run_dir), "tensorboard": False, "progress": False, "samples_per_step": 0})
+                      log={"run_dir": str(run_dir), "report_to": ("none",), "progress": False, "samples_per_step": 0})
         with Trainer(cfg, run_dir) as trainer:
             trainer.train()
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

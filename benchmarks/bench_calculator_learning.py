@@ -59,7 +59,7 @@ def main() -> None:
         raise SystemExit("dppo sft failed")
     t_sft = time.perf_counter() - t0 - t_base
     cfg = replace(get_preset("calculator"), model={"name": str(sft)}, train=train, task=task,
-                  log={"tensorboard": False, "progress": False, "run_dir": str(out / "rl")})
+                  log={"report_to": ("none",), "progress": False, "run_dir": str(out / "rl")})
     with Trainer(cfg, out / "rl") as trainer:
         results = trainer.train()
     t_rl = time.perf_counter() - t0 - t_base - t_sft

@@ -40,13 +40,13 @@ def _config(args, strategy: str, threads: int):
     from dppo.train.config import replace
     from dppo.train.presets import get_preset
 
-    model = ({"name": "tiny-random", "tiny_hidden": 256, "tiny_layers": 4} if args.model == "tiny"
+    model = ({"name": "tiny-random-256x4"} if args.model == "tiny"
              else {"name": args.model})
     return replace(get_preset("smoke"), model=model,
                    rollout={"prompts_per_step": args.prompts, "group_size": args.group, "max_new_tokens": args.tokens},
                    train={"steps": args.warmup + args.steps, "mini_batches": 2, "micro_batch_size": 8,
                           "eval_before": False, "distributed": strategy, "threads": threads},
-                   log={"tensorboard": False, "progress": False, "samples_per_step": 0})
+                   log={"report_to": ("none",), "progress": False, "samples_per_step": 0})
 
 
 def _time_collectives(trainer, n_micro: int, n_opt: int) -> float:

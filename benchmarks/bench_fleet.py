@@ -67,7 +67,7 @@ def train(out: Path, arm: str, seed: int, steps: int, extra: list[str]) -> None:
         shutil.rmtree(directory)
     cmd = [sys.executable, "-m", "dppo.cli", "train", "--preset", "demo", "--run-dir", str(directory),
            "--model.precision", "fp32", *ARMS[arm], "--train.seed", str(seed), "--train.steps", str(steps),
-           "--log.no-progress", "--log.no-tensorboard", *extra]
+           "--log.no-progress", "--log.report-to", "none", *extra]
     print(f"[fleet] {directory.name}: dppo {' '.join(cmd[3:])}", flush=True)
     t0 = time.perf_counter()
     with open(out / f"{directory.name}.log", "w") as log:

@@ -35,7 +35,7 @@ def main() -> None:
         cfg = replace(base, loss={"split_mismatch": True},
                       rollout={"engine": "hf", "dtype": "float32"}, model={"dtype": "float32"},
                       train={"steps": args.steps + 1, "eval_before": False, "eval_every": 0, "threads": args.threads},
-                      log={"run_dir": run_dir, "tensorboard": False, "progress": False, "samples_per_step": 0})
+                      log={"run_dir": run_dir, "report_to": ("none",), "progress": False, "samples_per_step": 0})
         trainer = Trainer(cfg, run_dir)
         try:
             rows = [trainer.step() for _ in range(args.steps + 1)][1:]

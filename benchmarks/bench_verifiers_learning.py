@@ -50,7 +50,7 @@ def arm_config(name: str, args, out: Path):
                                   "client": args.client},
                     "proxy": {"concurrency": args.concurrency, "timeout_s": 600.0}}
     return replace(get_preset("demo"), train=train, task=task, **sections,
-                   log={"tensorboard": False, "progress": False, "run_dir": str(out)})
+                   log={"report_to": ("none",), "progress": False, "run_dir": str(out)})
 
 
 def run_arm(name: str, args, out: Path) -> dict:

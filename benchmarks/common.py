@@ -187,7 +187,7 @@ def demo_steps(label: str, extra: list[str], steps: int, out: Path) -> tuple[lis
     returns the metrics rows of steps 2.. (the first step, start-up, left out) and the wall seconds."""
     cmd = [sys.executable, "-m", "dppo.cli", "train", "--preset", "demo", "--run-dir", str(out),
            "--train.steps", str(steps), "--train.no-eval-before", "--task.eval-size", "0", "--log.no-progress",
-           "--log.no-tensorboard", *extra]
+           "--log.report-to", "none", *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0

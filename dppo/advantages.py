@@ -21,6 +21,9 @@ from dppo._checks import check_tensor
 __all__ = ["ADVANTAGES", "compute_advantages", "group_mean", "group_zscore", "rloo", "group_mean_batch_std"]
 
 
+STD_EPS = 1e-6
+"""Added to a standard deviation before dividing by it (a numerical guard, not a setting of the run)."""
+
 def _groups(rewards: Tensor, group_size: int) -> Tensor:
     check_tensor("rewards", rewards, floating=True)
     if rewards.dim() != 1:
@@ -38,20 +41,20 @@ def _finish(adv: Tensor, grouped: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     return adv.reshape(-1), {"zero_adv_group_frac": flat.float().mean()}
 
 
-def group_mean(rewards: Tensor, group_size: int, *, eps: float = 1e-6) -> tuple[Tensor, dict[str, Tensor]]:
+def group_mean(rewards: Tensor, group_size: int, *, eps: float = STD_EPS) -> tuple[Tensor, dict[str, Tensor]]:
     """Â = R − group mean (no std division)."""
     g = _groups(rewards, group_size)
     return _finish(g - g.mean(-1, keepdim=True), g)
 
 
-def group_zscore(rewards: Tensor, group_size: int, *, eps: float = 1e-6) -> tuple[Tensor, dict[str, Tensor]]:
+def group_zscore(rewards: Tensor, group_size: int, *, eps: float = STD_EPS) -> tuple[Tensor, dict[str, Tensor]]:
     """Â = (R − group mean) / (group std + eps) (GRPO). G = 1 gives 0 (a lone response has no baseline)."""
     g = _groups(rewards, group_size)
     std = g.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(g[:, :1])
     return _finish((g - g.mean(-1, keepdim=True)) / (std + eps), g)
 
 
-def rloo(rewards: Tensor, group_size: int, *, eps: float = 1e-6) -> tuple[Tensor, dict[str, Tensor]]:
+def rloo(rewards: Tensor, group_size: int, *, eps: float = STD_EPS) -> tuple[Tensor, dict[str, Tensor]]:
     """Â = R − mean of the other G−1 rewards (leave-one-out). Needs G ≥ 2."""
     g = _groups(rewards, group_size)
     if group_size < 2:
@@ -60,7 +63,7 @@ def rloo(rewards: Tensor, group_size: int, *, eps: float = 1e-6) -> tuple[Tensor
     return _finish(g - others, g)
 
 
-def group_mean_batch_std(rewards: Tensor, group_size: int, *, eps: float = 1e-6) -> tuple[Tensor, dict[str, Tensor]]:
+def group_mean_batch_std(rewards: Tensor, group_size: int, *, eps: float = STD_EPS) -> tuple[Tensor, dict[str, Tensor]]:
     """Â = (R − group mean) / (std over the batch of the centred rewards + eps)."""
     g = _groups(rewards, group_size)
     centred = g - g.mean(-1, keepdim=True)
@@ -76,7 +79,7 @@ ADVANTAGES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
 }
 
 
-def compute_advantages(name: str, rewards: Tensor, group_size: int, *, eps: float = 1e-6) -> tuple[Tensor, dict[str, Tensor]]:
+def compute_advantages(name: str, rewards: Tensor, group_size: int, *, eps: float = STD_EPS) -> tuple[Tensor, dict[str, Tensor]]:
     """Look up `name` in ADVANTAGES (ValueError listing the valid names) and apply it."""
     if name not in ADVANTAGES:
         raise ValueError(f"advantage: unknown estimator {name!r}; valid: {', '.join(ADVANTAGES)}")

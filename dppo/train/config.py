@@ -32,6 +32,7 @@ from dppo.train.moved_fields import check_moved, check_moved_values
 from dppo.train.rollout_config import RolloutConfig
 from dppo.trust_region import DEFAULT_TOP_K, all_params, needs_topk
 from dppo.run_files.logger import TRACKERS, check_tracker_installed
+from dppo.runtime.models import tiny_dims
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class ModelConfig:
     """The policy being trained."""
 
     name: str = "smollm2-135m"
-    """Built-in model name (smollm2-135m, tiny-random) or a local transformers model folder."""
+    """Built-in model name (smollm2-135m; tiny-random: a randomly initialised model of hidden size 64 and 2 decoder
+    layers, tiny-random-HxL: of hidden size H and L layers) or a local transformers model folder."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the trainer's weights (the master copy the optimizer updates)."""
     device: str = "auto"
@@ -57,10 +59,6 @@ class ModelConfig:
     """LoRA alpha (scale = alpha / rank)."""
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     """Module names LoRA adapts."""
-    tiny_hidden: int = 64
-    """tiny-random only: hidden size of the randomly initialised model."""
-    tiny_layers: int = 2
-    """tiny-random only: number of decoder layers."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -70,7 +68,8 @@ class ModelConfig:
                                      f"(the trainer then computes in bf16: use model.precision auto or bf16)")
         if self.lora_rank < 0:
             _fail("model.lora_rank", f"expected >= 0, got {self.lora_rank}")
-        _positive("model", lora_alpha=self.lora_alpha, tiny_hidden=self.tiny_hidden, tiny_layers=self.tiny_layers)
+        _positive("model", lora_alpha=self.lora_alpha)
+        tiny_dims(self.name)  # (a tiny-random-HxL name: ConfigError naming model.name when malformed)
 
 
 @dataclass(frozen=True)
@@ -195,14 +194,12 @@ class AdvantageConfig:
     """Advantage estimation from sequence rewards (docs/library.md, `dppo.advantages`)."""
 
     estimator: str = "group_mean"
-    """group_mean (paper default), group_zscore (GRPO), rloo, group_mean_batch_std."""
-    eps: float = 1e-6
-    """Added to standard deviations before dividing."""
+    """group_mean (paper default), group_zscore (GRPO), rloo, group_mean_batch_std (a standard deviation is divided
+    with `dppo.advantages.STD_EPS` added)."""
 
     def __post_init__(self) -> None:
         if self.estimator not in ADVANTAGES:
             _fail("advantage.estimator", f"unknown {self.estimator!r}; valid: {', '.join(ADVANTAGES)}")
-        _positive("advantage", eps=self.eps)
 
 
 @dataclass(frozen=True)
@@ -213,10 +210,8 @@ class OptimConfig:
     """Peak learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    beta1: float = 0.9
-    """AdamW β1."""
-    beta2: float = 0.999
-    """AdamW β2."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (β1, β2) (`--optim.betas 0.9 0.95`)."""
     warmup_steps: int = 0
     """Optimiser steps of linear warm-up from 0."""
     grad_clip: float = 1.0
@@ -226,9 +221,9 @@ class OptimConfig:
         _positive("optim", lr=self.lr)
         if self.weight_decay < 0:
             _fail("optim.weight_decay", f"expected >= 0, got {self.weight_decay}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                _fail(f"optim.{name}", f"expected in [0, 1), got {getattr(self, name)}")
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            _fail("optim.betas", f"expected two values in [0, 1), got {self.betas}")
         if self.warmup_steps < 0:
             _fail("optim.warmup_steps", f"expected >= 0, got {self.warmup_steps}")
         if self.grad_clip < 0:
@@ -297,17 +292,13 @@ class TrainConfig:
 @dataclass(frozen=True)
 class LogConfig:
     """Where and what the run writes: metrics.jsonl always, plus the experiment trackers of `report_to`
-    (dppo.run_files.logger). `trackers` is the list actually used: `report_to` less "none", and less "tensorboard"
-    when the older switch `tensorboard` is false (so configs and flags from before `report_to`,
-    `tensorboard: false` / `--log.no-tensorboard`, still turn TensorBoard off; `tensorboard: true` adds nothing)."""
+    (dppo.run_files.logger). `trackers` is the list actually used: `report_to` less "none"."""
 
     run_dir: str = ""
     """Run directory ('' = a new timestamped folder under runs/)."""
     report_to: tuple[Literal["tensorboard", "wandb", "trackio", "none"], ...] = ("tensorboard",)
     """Experiment trackers that get the config at start and every metric (TRL's `report_to`): tensorboard
     (<run_dir>/tb), wandb (pip install 'dppo[wandb]'), trackio ('dppo[trackio]'); none = only metrics.jsonl."""
-    tensorboard: bool = True
-    """Older switch kept for old configs: false removes tensorboard from report_to (true changes nothing)."""
     project: str = "dppo"
     """wandb / trackio project the run is logged under."""
     run_name: str = ""
@@ -348,9 +339,8 @@ class LogConfig:
 
     @property
     def trackers(self) -> tuple[str, ...]:
-        """The trackers the run writes to: report_to without "none", and without tensorboard when `tensorboard`
-        is false."""
-        return tuple(t for t in self.report_to if t != "none" and (t != "tensorboard" or self.tensorboard))
+        """The trackers the run writes to: report_to without "none"."""
+        return tuple(t for t in self.report_to if t != "none")
 
 
 @dataclass(frozen=True)

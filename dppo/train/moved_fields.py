@@ -15,6 +15,12 @@ from dppo.train.rollout_config import RolloutConfig
 
 MOVED = {
     "model.autocast_bf16": "model.precision (true: bf16, false: fp32)",
+    "model.tiny_hidden": "model.name (tiny-random-HxL: hidden size H, L layers; tiny-random = tiny-random-64x2)",
+    "model.tiny_layers": "model.name (tiny-random-HxL: hidden size H, L layers; tiny-random = tiny-random-64x2)",
+    "optim.beta1": "optim.betas (β1 β2)",
+    "optim.beta2": "optim.betas (β1 β2)",
+    "log.tensorboard": "log.report_to (false: none, or the other trackers)",
+    "advantage.eps": "nothing: a standard deviation is divided with dppo.advantages.STD_EPS (1e-6) added; delete it",
     "rollout.hf_max_batch_rows": "rollout.hf.max_batch_rows",
     "rollout.fp8_activations": "rollout.hf.fp8_activations",
     "rollout.vllm_kv_cache_gb": "rollout.vllm.kv_cache_gb (engine vllm) or rollout.vllm_server.kv_cache_gb "
@@ -62,8 +68,7 @@ def check_moved_values(get, source: str) -> None:
 
 def check_moved(data: dict[str, Any], source: str) -> None:
     """ConfigError naming each field of `data` that moved (`MOVED`, `MOVED_VALUES`) and its new place."""
-    found = [f"{old} is now {new}" for old, new in MOVED.items()
-             if old.split(".")[1] in (data.get(old.split(".")[0]) or {})]
+    found = [_moved(old, new) for old, new in MOVED.items() if old.split(".")[1] in (data.get(old.split(".")[0]) or {})]
     found += moved_values(lambda section, name: (data.get(section) or {}).get(name))
     rollout = data.get("rollout") or {}
     for kind in ("env", "agent"):  # the episode kind was which of the two sections named something
@@ -99,14 +104,25 @@ def _moved_engine_fields(rollout: dict[str, Any]) -> list[str]:
                 f"settings}}"]
 
 
+def _moved(old: str, new: str) -> str:
+    """"X is now Y", or "X is gone: why" for a field with no new place (MOVED's "nothing: ...")."""
+    return f"{old} is gone: {new.removeprefix('nothing: ')}" if new.startswith("nothing") else f"{old} is now {new}"
+
+
 def check_moved_flags(args: list[str]) -> None:
     """ConfigError naming each command-line flag of an older dppo (`--rollout.server-urls`, a `MOVED` field) and the
     flag that replaced it, before the parser's generic "unrecognized option"."""
-    flags = {"--" + old.replace("_", "-"): new for old, new in MOVED.items()}
+    flags = {}
+    for old, new in MOVED.items():
+        section, name = old.split(".", 1)
+        for spelled in (name, f"no_{name}"):  # (a boolean's --x.no-y too)
+            flags[f"--{section}.{spelled.replace('_', '-')}"] = new
     found = []
     for arg in args:
         flag = arg.split("=", 1)[0]
-        if flag in flags:
+        if flag in flags and flags[flag].startswith("nothing"):
+            found.append(f"{flag} is gone: {flags[flag].removeprefix('nothing: ')}")
+        elif flag in flags:
             field, _, rest = flags[flag].partition(" ")  # "rollout.vllm_server.urls", "(engine vllm) or ..."
             found.append(f"{flag} is now --{field.replace('_', '-')}" + (f" {rest}" if rest else ""))
     given = {(section, name): _flag_value(args, f"--{section}.{name}") for section, name, _ in MOVED_VALUES}

@@ -28,12 +28,12 @@ def smoke() -> Config:
     and trainer on every machine (not `auto`): the tests built on it compare exact math."""
     return replace(
         Config(),
-        model={"name": "tiny-random", "tiny_hidden": 64, "tiny_layers": 2, "precision": "fp32"},
+        model={"name": "tiny-random", "precision": "fp32"},
         rollout={"engine": "hf", "dtype": "float32", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 6},
         task={"name": "addition", "options": '{"digits": 1}', "size": 200, "eval_size": 16, "reward": "digit_fraction"},
         optim={"lr": 1e-3},
         train={"steps": 3, "micro_batch_size": 8, "mini_batches": 2},
-        log={"tensorboard": True, "progress": False, "samples_per_step": 2},
+        log={"progress": False, "samples_per_step": 2},
     )
 
 

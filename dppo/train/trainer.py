@@ -79,7 +79,7 @@ class Trainer:
         self.device = next(self.model.parameters()).device
         self.autocast = autocast_dtype(cfg.model.precision, next(self.model.parameters()).dtype)  # None = fp32
         o = cfg.optim
-        self.optim = GuardedOptimizer(self.model, self.params, self.dist, lr=o.lr, betas=(o.beta1, o.beta2),
+        self.optim = GuardedOptimizer(self.model, self.params, self.dist, lr=o.lr, betas=o.betas,
                                       weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, grad_clip=o.grad_clip,
                                       max_consecutive_skips=cfg.train.max_consecutive_skips, grad_snr=cfg.log.grad_snr,
                                       announce=lambda line: self.logger.print(line), loss_scaling=cfg.model.precision == "fp16")
@@ -234,7 +234,7 @@ class Trainer:
         rewards: batch-level statistics are global), given to each row (`rows`: each row's episode)."""
         a = self.cfg.advantage
         every = self.dist.all_gather_rows(rewards)
-        adv, stats = compute_advantages(a.estimator, every, self.cfg.rollout.group_size, eps=a.eps)
+        adv, stats = compute_advantages(a.estimator, every, self.cfg.rollout.group_size)
         n = rewards.shape[0]
         return adv[self.dist.rank * n:(self.dist.rank + 1) * n][rows], stats
 

@@ -57,7 +57,7 @@ def config(model, run_dir=None, **sections):
     base = replace(get_preset("smoke"), model={"name": str(model)},
                    rollout={"episodes": "env", "max_new_tokens": 90}, env={"name": "calculator", "max_turns": 3, "max_tokens": 200},
                    task={"options": '{"digits": 1}', "size": 80, "eval_size": 20}, train={"threads": 1},
-                   log={"tensorboard": False, "progress": False, **({"run_dir": str(run_dir)} if run_dir else {})})
+                   log={"report_to": ("none",), "progress": False, **({"run_dir": str(run_dir)} if run_dir else {})})
     return replace(base, **sections)
 
 

@@ -232,7 +232,7 @@ def _workers_of(proc: subprocess.Popen, deadline_s: float = 90) -> list[psutil.P
 
 def _train_cmd(run: Path) -> list[str]:
     return [sys.executable, "-m", "dppo.cli", "train", "--preset", "smoke", "--train.steps", "400", "--run-dir",
-            str(run), "--log.no-progress", "--log.no-tensorboard", "--train.no-eval-before", "--rollout.mode", "async",
+            str(run), "--log.no-progress", "--log.report-to", "none", "--train.no-eval-before", "--rollout.mode", "async",
             "--rollout.engine", "hf", "--rollout.dtype", "float32", "--train.threads", "1"]
 
 

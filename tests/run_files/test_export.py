@@ -29,7 +29,7 @@ from dppo.train.config import Config, replace
 from dppo.train.evaluation import load_checkpoint_weights
 
 ARGS = ["--preset", "smoke", "--train.steps", "2", "--train.checkpoint-every", "1", "--train.no-eval-before",
-        "--log.no-progress", "--log.no-tensorboard"]
+        "--log.no-progress", "--log.report-to", "none"]
 TEXTS = ["12+34=46", "What is 7 + 8?\nAnswer: 15", "a b\tc ~{}|"]
 CHAT = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 3 + 4?"}]
 

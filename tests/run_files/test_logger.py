@@ -142,13 +142,12 @@ def _trackio_run(project: str, name: str) -> tuple[dict, list[dict]]:
 
 
 # ---------------------------------------------------------------- config
-def test_report_to_defaults_legacy_switch_and_checks():
+def test_report_to_defaults_and_checks():
     assert LogConfig().report_to == ("tensorboard",) and LogConfig().trackers == ("tensorboard",)
-    assert LogConfig(tensorboard=False).trackers == ()  # the older switch still turns TensorBoard off
     assert LogConfig(report_to=("none",)).trackers == ()
     assert LogConfig(report_to="tensorboard").report_to == ("tensorboard",)  # a single name, as TRL allows
     if importlib.util.find_spec("wandb") is not None:
-        assert LogConfig(report_to=("wandb", "tensorboard"), tensorboard=False).trackers == ("wandb",)
+        assert LogConfig(report_to=("wandb",)).trackers == ("wandb",)
     for bad, message in [(("tensorboard", "mlflow"), "unknown tracker 'mlflow'"), (("none", "tensorboard"), "'none'"),
                          (("tensorboard", "tensorboard"), "twice")]:
         with pytest.raises(ConfigError, match=f"log.report_to: .*{message}"):
@@ -160,16 +159,17 @@ def test_report_to_defaults_legacy_switch_and_checks():
 def test_report_to_from_cli_and_yaml(tmp_path):
     cfg, _, _ = parse_config(["--preset", "smoke", "--log.report-to", "none"], prog="dppo train")
     assert cfg.log.trackers == ()
-    cfg, _, _ = parse_config(["--preset", "smoke", "--log.no-tensorboard"], prog="dppo train")
-    assert cfg.log.trackers == ()
+    with pytest.raises(ConfigError, match=r"^--log\.no-tensorboard: a flag of an older dppo; --log\.no-tensorboard is "
+                                          r"now --log\.report-to \(false: none, or the other trackers\)$"):
+        parse_config(["--preset", "smoke", "--log.no-tensorboard"], prog="dppo train")
     cfg = replace(cfg, log={"report_to": ("tensorboard",), "run_name": "x", "trackers_offline": False})
     cfg.save(tmp_path / "config.yaml")
     assert Config.load(tmp_path / "config.yaml") == cfg
-    old = tmp_path / "old.yaml"  # a config written before report_to existed
+    old = tmp_path / "old.yaml"  # a config written before report_to existed: refused naming its place
     old.write_text("log:\n  tensorboard: false\n  progress: false\n")
-    assert Config.load(old).log.trackers == ()
-    old.write_text("log:\n  tensorboard: true\n")
-    assert Config.load(old).log.trackers == ("tensorboard",)
+    with pytest.raises(ConfigError, match=r"^log\.tensorboard: .* older dppo; edit it: log\.tensorboard is now "
+                                          r"log\.report_to \(false: none, or the other trackers\)$"):
+        Config.load(old)
 
 
 def test_missing_tracker_package_fails_at_parse_naming_the_field(monkeypatch, tmp_path, capsys):

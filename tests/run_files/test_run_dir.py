@@ -33,7 +33,7 @@ from dppo.run_files.run_dir import MARKER, JsonlWriter, RunDirError, complete_ch
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 ARGS = ["--preset", "smoke", "--train.steps", "4", "--train.checkpoint-every", "1", "--train.keep-checkpoints", "10",
-        "--train.no-eval-before", "--log.no-progress", "--log.no-tensorboard", "--no-hf"]
+        "--train.no-eval-before", "--log.no-progress", "--log.report-to", "none", "--no-hf"]
 ONE_LINE = (r"no space left on device \(ENOSPC\) while writing.*; [\d.]+ (B|KiB|MiB|GiB) free under {run}; "
             r"newest complete checkpoint: {run}/checkpoints/step_000002 \(intact\); free space, then resume with: "
             r"dppo train --resume {run}")

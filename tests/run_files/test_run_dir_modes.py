@@ -38,7 +38,7 @@ from conftest import launch_ranks as _launch, torchrun as _torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
-QUIET = ["--train.no-eval-before", "--log.no-progress", "--log.no-tensorboard", "--no-hf"]
+QUIET = ["--train.no-eval-before", "--log.no-progress", "--log.report-to", "none", "--no-hf"]
 ARGS = ["--preset", "smoke", "--train.steps", str(STEPS), "--train.checkpoint-every", "1",
         "--train.keep-checkpoints", "10", "--train.threads", "1", *QUIET]
 ASYNC = [*ARGS, "--rollout.mode", "async", "--rollout.engine", "hf", "--rollout.dtype", "float32",

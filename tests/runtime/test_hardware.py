@@ -170,6 +170,10 @@ def test_a_config_written_before_the_registry_fields_loads_once_its_moved_fields
     for name in ("vllm_kv_cache_gb", "vllm_gpu_memory_utilization"):  # (their defaults: an engine auto takes none)
         data["rollout"].pop(name)
     data["rollout"]["engines"] = [{"kind": data["rollout"].pop("engine"), "dtype": data["rollout"].pop("dtype")}]
+    hidden, layers = data["model"].pop("tiny_hidden"), data["model"].pop("tiny_layers")  # (unused: not tiny-random)
+    data["optim"]["betas"] = [data["optim"].pop("beta1"), data["optim"].pop("beta2")]
+    data["log"]["report_to"] = ["tensorboard"] if data["log"].pop("tensorboard") else ["none"]
+    del data["advantage"]["eps"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
     # relax_side (then a field of every config, default both) is a parameter only ppo_clip_relax takes
     with pytest.raises(ConfigError, match=r"^loss\.relax_side: not a parameter of trust region 'dppo_topk_kl' "

@@ -88,7 +88,7 @@ def test_methods_follow_presets():
     assert cfg.top_k_logprobs == 20 and cfg.rollout.engines[0].dtype == "bfloat16" and cfg.model.dtype == "float32"
     assert cfg.model.precision == "fp32"  # the fp32 trainer on every CPU: the study's mismatch is its own source
     assert cfg.rollout.engines[0].kind == "hf" and cfg.train.mini_batches == 4 and cfg.train.seed == 1 and cfg.train.steps == 7
-    assert not cfg.log.tensorboard and not cfg.log.progress and not cfg.train.eval_before
+    assert cfg.log.trackers == () and not cfg.log.progress and not cfg.train.eval_before
     assert sanity_config(SanityConfig(), "m", "r", "pg-is", 0).top_k_logprobs == 0
     with pytest.raises(ValueError, match="unknown"):
         sanity_config(SanityConfig(), "m", "r", "nope", 0)

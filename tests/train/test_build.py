@@ -7,11 +7,15 @@ import math
 import pickle
 
 import pytest
+import yaml
+
+from dppo.cli import parse_config
 
 from dppo.rollout.spec import EngineSpec, build_engine
+from dppo.runtime.models import tiny_dims
 from dppo.train.rollout_build import engine_spec
 from dppo.train.resolve import resolve_config
-from dppo.train.config import Config, replace
+from dppo.train.config import Config, ConfigError, replace
 from dppo.train.presets import get_preset
 from dppo.trust_region import DEFAULT_TOP_K, TRUST_REGIONS
 
@@ -65,8 +69,7 @@ def test_the_engine_spec_is_picklable_and_builds_the_run_model():
     assert (spec.kind, spec.dtype, spec.seed, spec.model.name) == ("hf", "float32", cfg.train.seed + 3, "tiny-random")
     engine = build_engine(spec)
     try:
-        assert engine.model.config.hidden_size == cfg.model.tiny_hidden
-        assert engine.model.config.num_hidden_layers == cfg.model.tiny_layers
+        assert (engine.model.config.hidden_size, engine.model.config.num_hidden_layers) == tiny_dims(cfg.model.name)
     finally:
         engine.close()
 
@@ -129,3 +132,23 @@ def test_with_an_environment_the_task_reward_is_not_used_and_the_run_says_so():
                                      "each episode (config.yaml records reward '')"]
     single = get_preset("smoke")
     assert resolve_config(single).task.reward == "digit_fraction" and resolution_notes(single) == []
+
+
+def test_a_tiny_random_name_carries_its_size_and_the_fields_it_replaced_are_refused(tmp_path):
+    from dppo.train.build import model_spec
+
+    spec = model_spec(replace(get_preset("smoke"), model={"name": "tiny-random-96x3"}))
+    assert (spec.name, spec.tiny_hidden, spec.tiny_layers) == ("tiny-random", 96, 3)
+    assert (model_spec(get_preset("smoke")).tiny_hidden, model_spec(get_preset("smoke")).tiny_layers) == (64, 2)
+    with pytest.raises(ConfigError, match=r"^model\.name: 'tiny-random-100x2': tiny-random-HxL needs H a positive "
+                                          r"multiple of 32"):
+        replace(get_preset("smoke"), model={"name": "tiny-random-100x2"})
+    data = get_preset("smoke").to_dict()
+    data["model"]["tiny_hidden"], data["optim"]["beta1"], data["advantage"]["eps"] = 96, 0.8, 1e-4
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"edit it: model\.tiny_hidden is now model\.name \(tiny-random-HxL: .*\); "
+                                          r"optim\.beta1 is now optim\.betas \(β1 β2\); advantage\.eps is gone: a "
+                                          r"standard deviation is divided with dppo\.advantages\.STD_EPS \(1e-6\) added"):
+        Config.load(tmp_path / "config.yaml")
+    cfg, _, _ = parse_config(["--preset", "smoke", "--optim.betas", "0.9", "0.95"], prog="dppo train")
+    assert cfg.optim.betas == (0.9, 0.95)

@@ -24,7 +24,7 @@ from conftest import free_port as _free_port, launch_ranks as _launch, launcher_
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-QUIET = ["--log.no-progress", "--log.no-tensorboard", "--train.no-eval-before"]
+QUIET = ["--log.no-progress", "--log.report-to", "none", "--train.no-eval-before"]
 
 # (strategy, trust region, mini-batches, grad clip, aggregation, model options): clip 0 compares raw gradients;
 # clip 0.05 is active. The last two are the option cross-product's 2-process cells: FSDP2 with gradient
@@ -51,7 +51,7 @@ def _case_config(case, run_dir):
                          **({"sat_shrink": 0.0, "sat_quantile": 0.5} if region.startswith("dppo_sat") else {})},
                    optim={"grad_clip": clip},
                    train={"mini_batches": M, "micro_batch_size": 4, "distributed": strategy, "dist_timeout_s": 60},
-                   log={"run_dir": str(run_dir), "tensorboard": False, "progress": False, "grad_snr": True})
+                   log={"run_dir": str(run_dir), "report_to": ("none",), "progress": False, "grad_snr": True})
 
 
 def _rows(batch, idx):
@@ -227,7 +227,7 @@ def _engine_failure_worker(run_dir: str) -> None:
     from dppo.train.trainer import Trainer
 
     cfg = replace(get_preset("smoke"), train={"eval_before": False},
-                  log={"run_dir": run_dir, "tensorboard": False, "progress": False})
+                  log={"run_dir": run_dir, "report_to": ("none",), "progress": False})
     with Trainer(cfg, run_dir) as trainer:  # closed before exit, as `dppo train` does
         if trainer.dist.rank == 1:
             def broken(*args, **kwargs):

@@ -84,7 +84,7 @@ def test_eval_command_evaluates_each_checkpoint_with_pass_and_maj_at_k(tmp_path,
     run = tmp_path / "run"
     assert main(["train", "--preset", "smoke", "--run-dir", str(run), "--task.reward", f"{tmp_path / 'r.py'}:digit_fraction",
                  "--train.steps", "2", "--train.checkpoint-every", "1", "--train.keep-checkpoints", "3",
-                 "--train.no-eval-before", "--log.no-progress", "--log.no-tensorboard"]) == 0
+                 "--train.no-eval-before", "--log.no-progress", "--log.report-to", "none"]) == 0
     capsys.readouterr()
     trainer_rows = read_eval(run)
     assert trainer_rows and all("maj@1" in r and "by" not in r for r in trainer_rows)  # the trainer's own eval votes too

@@ -60,7 +60,7 @@ def _rows(run_dir):
 def test_sigterm_checkpoints_the_current_step_exits_0_and_resumes(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "dppo.cli", "train", "--preset", "smoke", "--train.steps", "50", "--run-dir", str(run),
-           "--log.no-progress", "--log.no-tensorboard", "--train.no-eval-before"]
+           "--log.no-progress", "--log.report-to", "none", "--train.no-eval-before"]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -38,7 +38,7 @@ def learning_config(model_dir, run_dir, trust_region="dppo_binary_tv") -> Config
         loss={"trust_region": trust_region},
         optim={"lr": 3e-4},
         train={"steps": 60, "mini_batches": 2, "micro_batch_size": 64, "eval_before": True},
-        log={"run_dir": str(run_dir), "tensorboard": False, "progress": False, "samples_per_step": 0},
+        log={"run_dir": str(run_dir), "report_to": ("none",), "progress": False, "samples_per_step": 0},
     )
 
 

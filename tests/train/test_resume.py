@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.slow
 
 ARGS = ["train", "--preset", "smoke", "--train.steps", "5", "--train.checkpoint-every", "1", "--train.keep-checkpoints",
-        "10", "--train.no-eval-before", "--log.no-progress", "--log.no-tensorboard"]
+        "10", "--train.no-eval-before", "--log.no-progress", "--log.report-to", "none"]
 
 
 def _run(args, env_extra=None, timeout=180):

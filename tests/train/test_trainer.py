@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from dppo.cli import main
 from dppo.train.config import Config, ConfigError, replace
-from dppo.runtime.models import char_tokenizer, tiny_random_model
+from dppo.runtime.models import char_tokenizer, tiny_dims, tiny_random_model
 from dppo.train.presets import get_preset
 from dppo.train.trainer import Trainer
 from dppo.trust_region import TRUST_REGIONS
@@ -58,8 +58,9 @@ def test_smoke_preset_end_to_end_and_resume(tmp_path, reward_file):
     assert rows[0]["perf/log_write_prev_s"] == 0 and rows[1]["perf/log_write_prev_s"] > 0
     # every trained parameter changed from its seeded initialisation
     cfg = get_preset("smoke")
-    heads = cfg.model.tiny_hidden // 32
-    init = tiny_random_model(char_tokenizer(), hidden_size=cfg.model.tiny_hidden, num_layers=cfg.model.tiny_layers,
+    hidden, layers = tiny_dims(cfg.model.name)
+    heads = hidden // 32
+    init = tiny_random_model(char_tokenizer(), hidden_size=hidden, num_layers=layers,
                              num_heads=heads, num_kv_heads=heads, seed=cfg.train.seed)
     saved = load_file(str(run / "checkpoints" / "step_000003" / "model.safetensors"))
     init_params = dict(init.named_parameters())
@@ -193,7 +194,7 @@ def test_lora_trains_only_the_adapter_and_syncs_merged_weights(tmp_path, reward_
 def test_eval_command_on_a_run(tmp_path, reward_file, capsys):
     run = tmp_path / "run"
     assert main(["train", "--preset", "smoke", "--run-dir", str(run), "--task.reward", reward_file,
-                 "--train.steps", "1", "--log.no-progress", "--log.no-tensorboard"]) == 0
+                 "--train.steps", "1", "--log.no-progress", "--log.report-to", "none"]) == 0
     capsys.readouterr()
     assert main(["eval", "--run-dir", str(run)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -238,7 +239,7 @@ def test_a_run_directory_works_from_any_directory(tmp_path, monkeypatch, capsys)
     options = json.dumps({"path": "data.jsonl", "chat": False, "eval_fraction": 0.25})
     assert main(["train", "--preset", "smoke", "--run-dir", "run", "--task.name", "file", "--task.options", options,
                  "--task.reward", "my_reward.py:digit_fraction", "--task.eval-size", "4", "--train.steps", "1",
-                 "--log.no-progress", "--log.no-tensorboard"]) == 0
+                 "--log.no-progress", "--log.report-to", "none"]) == 0
     saved = yaml.safe_load((work / "run" / "config.yaml").read_text())
     assert json.loads(saved["task"]["options"])["path"] == str(work / "data.jsonl")
     assert saved["task"]["reward"] == f"{work / 'my_reward.py'}:digit_fraction"

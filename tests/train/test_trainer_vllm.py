@@ -12,7 +12,7 @@ far below what one training step changes (see WEIGHT_CHANGE) and the bf16 mismat
 on CPU: max |µ − π| <= 1e-6 on the same weights; max |µ − π_old| 0.16-0.26 against the previous step's weights.
 
 One trainer (2 steps via `Trainer.train`) serves most tests; the Top-K variant runs one step on its own trainer.
-The model is `tiny_hidden = 64`: 2 heads of 32, the smallest head size vLLM's CPU attention supports.
+The model is tiny-random (hidden size 64): 2 heads of 32, the smallest head size vLLM's CPU attention supports.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from dppo.train.trainer import Trainer
 CLI = "cli"
 """Expected 'error type' of a CLI row: `main` returns 2 and its stderr error line matches the pattern."""
 
-SMOKE_ARGS = ["--preset", "smoke", "--log.no-progress", "--log.no-tensorboard", "--train.no-eval-before"]
+SMOKE_ARGS = ["--preset", "smoke", "--log.no-progress", "--log.report-to", "none", "--train.no-eval-before"]
 
 
 # ------------------------------------------------------------------------------------------------- fixtures
@@ -82,7 +82,7 @@ def _trainer(ctx: Ctx, **sections):
     """Trainer on the smoke preset; the model name is a folder that does not exist unless `model` is given, so a
     data error that is raised only after the model loads shows up as the wrong message."""
     sections.setdefault("model", {"name": str(ctx.tmp / "no-such-model")})
-    cfg = _cfg(log={"run_dir": str(ctx.tmp / "run"), "tensorboard": False, "progress": False}, **sections)
+    cfg = _cfg(log={"run_dir": str(ctx.tmp / "run"), "report_to": ("none",), "progress": False}, **sections)
     Trainer(cfg, ctx.tmp / "run").close()
 
 
@@ -164,7 +164,7 @@ ROWS = [
     Row("resume-not-a-run", lambda c: ["train", "--resume", str(c.tmp)], CLI, r"--resume: .* is not a run directory"),
     Row("resume-without-checkpoint", lambda c: ["train", "--resume", str(_no_checkpoints(c.run_copy()))], CLI,
         r"--resume: no complete checkpoint under .*run/checkpoints"),
-    Row("resume-different-model", lambda c: ["train", "--resume", str(c.run_copy()), "--model.tiny-hidden", "96",
+    Row("resume-different-model", lambda c: ["train", "--resume", str(c.run_copy()), "--model.name", "tiny-random-96x2",
                                              "--log.no-progress"], CLI,
         r"--resume: checkpoint .*run/checkpoints/step_000002 does not match the model.*shape mismatch .*\(96"),
     Row("resume-corrupt-checkpoints", lambda c: ["train", "--resume", str(_corrupt_all(c.run_copy())), "--log.no-progress"],
@@ -291,7 +291,7 @@ def test_all_corrupt_gives_none_after_naming_each(tmp_path):
 
 def _resume_cfg(run: Path):
     cfg = replace(get_preset("smoke"), train={"steps": 2, "checkpoint_every": 1, "eval_before": False})
-    return replace(cfg, log={"run_dir": str(run), "tensorboard": False, "progress": False})
+    return replace(cfg, log={"run_dir": str(run), "report_to": ("none",), "progress": False})
 
 
 def test_trainer_resume_skips_a_corrupt_newest_checkpoint(tmp_path, smoke_run, capsys):

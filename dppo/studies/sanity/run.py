@@ -127,7 +127,7 @@ def sanity_config(study: SanityConfig, model_dir: str | Path, run_dir: str | Pat
         optim={"lr": s.lr},
         train={"steps": s.steps, "mini_batches": s.mini_batches, "micro_batch_size": MICRO_BATCH_SIZE, "seed": seed,
                "eval_before": False, "eval_every": 0, "threads": s.threads},
-        log={"run_dir": str(run_dir), "tensorboard": False, "progress": False, "samples_per_step": 0},
+        log={"run_dir": str(run_dir), "report_to": ("none",), "progress": False, "samples_per_step": 0},
     )
 
 
