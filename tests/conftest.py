@@ -40,27 +40,6 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-HEAVY_FILES_FIRST = [
-    "tests/run_files/test_run_dir_modes.py", "tests/rollout/test_async_source.py", "tests/rollout/test_server_recovery.py",
-    "tests/rollout/test_server_engine.py", "tests/train/test_distributed.py", "tests/rollout/test_server_faults.py",
-    "tests/integrations/test_trl.py", "tests/episodes/test_env_loop.py", "tests/episodes/test_agent_learning.py",
-    "tests/train/test_resume.py", "tests/episodes/test_verifiers.py", "tests/rollout/test_vllm.py",
-    "tests/train/test_learning.py", "tests/episodes/test_agent_loop.py", "tests/train/test_sft.py",
-    "tests/run_files/test_export.py", "tests/test_packaging.py", "tests/train/test_hardening.py",
-    "tests/studies/test_diagnose.py", "tests/studies/test_sanity.py",
-]
-"""The slowest test files, slowest first (a full run's `--durations=0` summed per file, 2026-12-07). `./test.sh`
-gives each xdist worker a whole file (`--dist loadfile`) in collection order (`--no-loadscope-reorder`: xdist's
-default order is by test count, which handed out the few-test, minute-long files last and left one worker alone
-at the end): collected first, they start first and the many short files fill in beside them. Only the order
-changes (a file's tests keep theirs); a file missing here runs after these, in the usual order."""
-
-
-def pytest_collection_modifyitems(config, items):
-    first = {path: i for i, path in enumerate(HEAVY_FILES_FIRST)}
-    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: the rest keep their order
-
-
 VLLM_MARKS = [
     pytest.mark.vllm,
     pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),  # vLLM import
