@@ -76,11 +76,14 @@ def _topk_cells(logp: Tensor, rollout_logp: Tensor, valid: Tensor | None) -> tup
         check_tensor("valid", valid, dtype=torch.bool)
         check_same("valid", valid, "logp", logp, dtype=False)
     neg_inf = torch.full_like(logp, float("-inf"))  # a fill on logp's device, no host-to-device copy
-    # log Σ_S q over valid cells, then log(1 − Σ) = log1mexp(·): accurate when the cells hold almost all mass.
-    lse_p = torch.logsumexp(torch.where(valid, logp, neg_inf), dim=-1)
-    lse_m = torch.logsumexp(torch.where(valid, rollout_logp, neg_inf), dim=-1)
-    other_p = log1mexp(lse_p.clamp(max=0.0))
-    other_m = log1mexp(lse_m.clamp(max=0.0))
+    # log Σ_S q over valid cells, then log(1 − Σ) = log1mexp(·), in float64: when the cells hold almost all the mass
+    # the other bucket is far below float32's rounding of Σ (a tail of 2e-8 beside a cell of 0.8 rounds to 0, and a
+    # KL term µ(other)·log(µ(other)/tiny) then overstates Top-K KL by ~0.02); the [..., S] cells make it cheap.
+    wide = torch.float64 if logp.device.type != "mps" else logp.dtype  # (MPS has no float64)
+    lse_p = torch.logsumexp(torch.where(valid, logp, neg_inf).to(wide), dim=-1)
+    lse_m = torch.logsumexp(torch.where(valid, rollout_logp, neg_inf).to(wide), dim=-1)
+    other_p = log1mexp(lse_p.clamp(max=0.0)).to(logp.dtype)
+    other_m = log1mexp(lse_m.clamp(max=0.0)).to(logp.dtype)
     return logp, rollout_logp, valid, other_p, other_m
 
 
