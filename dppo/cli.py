@@ -60,7 +60,7 @@ from dppo.train.build import build_model, build_task, check_environment
 from dppo.train.config import Config, ConfigError, replace
 from dppo.train.engine_flags import RolloutFlags, from_flags, given_flags, to_flags
 from dppo.train.kinds import choose
-from dppo.train.moved_fields import check_moved_flags
+from dppo.train.moved_fields import check_moved_flags, flag_value
 from dppo.train.distributed import DistributedError, world_from_env
 from dppo.train.evaluation import evaluate_checkpoints, failed_part, load_checkpoint_weights
 from dppo.train.plot import plot_runs
@@ -140,22 +140,11 @@ def from_cli(parsed: CliConfig, base: Config, args: list[str] = ()) -> Config:
                   rollout=from_flags(parsed.rollout, base.rollout.engines, given_flags(list(args))))
 
 
-def _flag(args: list[str], name: str) -> str | None:
-    """The last value of flag `name` in `args` (`--name value` or `--name=value`), None when absent."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def parse_config(argv: list[str], *, prog: str, resume: bool = True) -> tuple[Config, argparse.Namespace, str]:
     """Resolve the config for `train`/`eval` from argv (raises ConfigError naming the field)."""
     ns, rest = _split_args(argv, resume=resume)
     base, label = _base_config(ns)
-    base = choose(base, episodes=_flag(rest, "--rollout.episodes"))
+    base = choose(base, episodes=flag_value(rest, "--rollout.episodes"))
     if "-h" in rest or "--help" in rest:
         tyro.cli(CliConfig, default=cli_default(base), args=["--help"], prog=prog, description=__doc__ + "\n" + _TOP)
     check_moved_flags(rest)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -71,6 +73,14 @@ def _task_parameters(name: str) -> set[str] | None:
 def build_reward_runner(cfg: Config, task):
     return RewardRunner(task.reward, timeout_s=cfg.task.reward_timeout_s, name=cfg.task.reward or None,
                         task=cfg.task.name)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed `random`, numpy and torch (every device) with `seed`: what `transformers.set_seed` does, without importing
+    transformers' trainer utilities (and peft through them: ~2.5 s at every process start)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def model_spec(cfg: Config):

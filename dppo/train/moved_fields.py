@@ -125,13 +125,13 @@ def check_moved_flags(args: list[str]) -> None:
         elif flag in flags:
             field, _, rest = flags[flag].partition(" ")  # "rollout.vllm_server.urls", "(engine vllm) or ..."
             found.append(f"{flag} is now --{field.replace('_', '-')}" + (f" {rest}" if rest else ""))
-    given = {(section, name): _flag_value(args, f"--{section}.{name}") for section, name, _ in MOVED_VALUES}
+    given = {(section, name): flag_value(args, f"--{section}.{name}") for section, name, _ in MOVED_VALUES}
     found += [f"--{moved.replace(' is now ', ' is now --', 1)}" for moved in moved_values(lambda *key: given[key])]
     if found:
         raise ConfigError(f"{found[0].split()[0]}: a flag of an older dppo; " + "; ".join(found))
 
 
-def _flag_value(args: list[str], flag: str) -> str | None:
+def flag_value(args: list[str], flag: str) -> str | None:
     """The last value of `flag` in `args` (`--flag value` or `--flag=value`), None when absent."""
     value = None
     for i, arg in enumerate(args):

@@ -14,13 +14,11 @@ finite-gradient check) and of a training step.
 from __future__ import annotations
 
 import gc
-import random
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,7 +35,7 @@ from dppo.runtime.faults import fault_point
 from dppo.train.batch import (RolloutBatch, collate, episode_groups, group_strata, loss_inputs, minibatches,
                               stamp_staleness)
 from dppo.train.batch_stats import mini_batch_statistics
-from dppo.train.build import build_episodes, build_model, build_scorer, build_task, check_environment
+from dppo.train.build import build_episodes, build_model, build_scorer, build_task, check_environment, seed_everything
 from dppo.train.config import Config
 from dppo.train.rollout_build import build_source, check_rollout
 from dppo.train.distributed import init_from_env
@@ -53,13 +51,6 @@ from dppo.train.timing import StepTimer
 from dppo.train.weights import engine_state
 
 
-
-def seed_everything(seed: int) -> None:
-    """Seed `random`, numpy and torch (every device) with `seed`: what `transformers.set_seed` does, without importing
-    transformers' trainer utilities (and peft through them: ~2.5 s at every process start)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False) -> None:
