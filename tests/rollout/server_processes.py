@@ -1,7 +1,7 @@
 """What the vLLM server fault tests share (`test_server_faults.py`, `test_server_recovery.py`,
 `test_server_engine.py`): the tiny model's folder, a server started directly, the processes of a server's group
 (zombies excluded), and the fake server (`fake_vllm`: dppo starts `fake_vllm_server.py` instead of vLLM, for the
-tests of dppo's own logic; `REAL`: the parameter of a test that runs on real vLLM too)."""
+tests of dppo's own logic; `real_vllm`: marks a test that runs on real vLLM)."""
 
 from __future__ import annotations
 
@@ -30,24 +30,11 @@ def real_vllm(test):
     return test
 
 
-REAL = pytest.param("vllm", marks=[*VLLM_MARKS, pytest.mark.slow])
-"""`@pytest.mark.parametrize("server", ["fake", REAL], indirect=True)`: a test on the fake server and on real vLLM
-(slow)."""
-
-
 @pytest.fixture
 def fake_vllm(monkeypatch):
     """dppo starts the fake vLLM server (`fake_vllm_server.py`, healthy in seconds) instead of vLLM's: the servers
     started in the test, restarts included, and those of the processes it starts (the environment is inherited)."""
     monkeypatch.setenv(SERVER_ENTRY_ENV, FAKE_SERVER)
-
-
-@pytest.fixture
-def server(request, monkeypatch):
-    """The kind of server a test parametrized over `server` ("fake" or "vllm") runs on."""
-    if request.param == "fake":
-        monkeypatch.setenv(SERVER_ENTRY_ENV, FAKE_SERVER)
-    return request.param
 
 
 @pytest.fixture(scope="module")

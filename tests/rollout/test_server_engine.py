@@ -4,10 +4,11 @@ against a plain fp32 forward, weight sync through vLLM's RL API and dppo's share
 the faults: refused before start (no model, port in use), a failed start naming its cause and log, a server that
 dies mid-step and a model that differs from the trainer's (the kill cases: test_server_faults.py).
 
-One server serves the module (a start costs ~40 s on 2 cores); tests that change its weights put them back. The
-tests of dppo's own logic that need servers of their own (a failed start, the trainer stopping at a dead server)
-run on the fake server (`fake_vllm_server.py`, healthy in seconds); the adapter-only sync stays on real vLLM (its
-LoRA loading is what it checks).
+One server serves the module (a start costs ~25-40 s on 2 cores), started with LoRA enabled; tests that change its
+weights put them back. The adapter-only sync runs on real vLLM (its LoRA loading is what it checks) as an engine
+attached to that server, so it pays no start of its own (a LoRA-enabled server syncs full weights as well: the tests
+before it check µ at 1e-4 on it). The tests of dppo's own logic that need servers of their own (a failed start, the
+trainer stopping at a dead server) run on the fake server (`fake_vllm_server.py`, healthy in seconds).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ pytestmark = VLLM_MARKS  # the module's server tests are fast enough for scripts
 VLLM_TINY = dict(num_heads=2, num_kv_heads=1)
 """Head size 32, the smallest vLLM's CPU attention supports (as in test_rollout_vllm)."""
 KV_GB = 0.25
+LORA_ARGS = "--enable-lora --max-loras 2 --max-cpu-loras 4 --max-lora-rank 8"
+"""The module's server starts with LoRA enabled (as an adapter-sync engine starts its own), so that the adapter-only
+sync test attaches to it instead of paying a server start of its own; every other test syncs full weights."""
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]]
 
 
@@ -48,7 +52,7 @@ def model_dir(server_model, tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tokenizer, tmp_path_factory):
-    eng = make_engine("vllm-server", model_dir, tokenizer, VLLMServerSettings(kv_cache_gb=KV_GB), seed=0,
+    eng = make_engine("vllm-server", model_dir, tokenizer, VLLMServerSettings(kv_cache_gb=KV_GB, args=LORA_ARGS), seed=0,
                       log_dir=tmp_path_factory.mktemp("server-logs"))
     yield eng
     eng.close()
@@ -218,6 +222,80 @@ def test_a_server_serving_another_model_is_refused(engine, make_tiny_model, toke
         make_engine("vllm-server", other, tokenizer, VLLMServerSettings(urls=engine.clients[0].url))
 
 
+# --- LoRA: adapter-only sync --------------------------------------------------------------------------------------
+
+
+def _peft(make_tiny_model, seed: int):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_tiny_model(seed=0, **VLLM_TINY), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                             target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_adapter_only_sync_serves_each_version_without_a_merge(engine, model_dir, tokenizer, make_tiny_model, tmp_path):
+    """rollout.lora_sync adapter: each version is a LoRA adapter on the servers (no merged weights move); µ equals
+    the PEFT model's forward; a request in flight finishes under the adapter it started with, stamped with its
+    version, while new requests use the new one; an adapter no request uses is unloaded."""
+    from dppo.train.weights import engine_state
+
+    first, second = _peft(make_tiny_model, 1), _peft(make_tiny_model, 2)
+    url = engine.group.members[0].client.url  # (the module's server, serving the base weights)
+    settings = VLLMServerSettings(kv_cache_gb=KV_GB, lora_sync="adapter", urls=url)
+    adapter = Adapter(rank=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    with make_engine("vllm-server", model_dir, tokenizer, settings, log_dir=tmp_path, adapter=adapter) as eng:
+        state = engine_state(first, adapter=True)
+        assert state and all("lora_" in k for k in state)
+        eng.load_weights(state)
+        assert eng.weight_version == 1 and eng._adapter == "dppo-v1"
+        for r in eng.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=12)):
+            assert (picked(first, r) - r.rollout_logp).abs().max() <= 1e-4
+            assert bool((r.token_versions == 1).all())
+        polls = []
+
+        def between_chunks() -> bool:
+            polls.append(1)
+            if len(polls) == 2:
+                eng.load_weights(engine_state(second, adapter=True))
+                return True
+            return False
+
+        eng.between_chunks = between_chunks
+        rollouts = eng.generate(PROMPTS, SamplingParams(n=4, temperature=0.6, max_new_tokens=400))
+        eng.between_chunks = None
+        assert eng.weight_version == 2
+        for r in rollouts:  # all sent before the update: adapter 1 to the end
+            assert bool((r.token_versions == 1).all())
+            assert (picked(first, r, 0.6) - r.rollout_logp).abs().max() <= 1e-4
+        assert not (eng._weights_dir / "adapter-1").exists() and (eng._weights_dir / "adapter-2").is_dir()
+        (r,) = eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12))
+        assert bool((r.token_versions == 2).all()) and (picked(second, r) - r.rollout_logp).abs().max() <= 1e-4
+
+
+def test_an_adapter_sync_engine_starts_its_servers_with_lora_enabled(fake_vllm, model_dir, tokenizer, make_tiny_model,
+                                                                    tmp_path):
+    """The servers an adapter-sync engine starts itself take adapters (`--enable-lora` and its limits on their
+    command line: the fake server refuses /v1/load_lora_adapter without it), and µ is the PEFT model's forward. On
+    the fake server: the real vLLM's LoRA loading is the test above, on the module's server."""
+    from dppo.train.weights import engine_state
+
+    first = _peft(make_tiny_model, 1)
+    settings = VLLMServerSettings(kv_cache_gb=KV_GB, lora_sync="adapter")
+    adapter = Adapter(rank=4, alpha=8, target_modules=("q_proj", "v_proj"))
+    with make_engine("vllm-server", model_dir, tokenizer, settings, log_dir=tmp_path, adapter=adapter) as eng:
+        command = eng.processes[0].proc.args
+        assert "--enable-lora" in command and command[command.index("--max-lora-rank") + 1] == "8"
+        eng.load_weights(engine_state(first, adapter=True))
+        for r in eng.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=12)):
+            assert (picked(first, r) - r.rollout_logp).abs().max() <= 1e-4 and bool((r.token_versions == 1).all())
+
+
 # --- faults -------------------------------------------------------------------------------------------------------
 
 
@@ -271,61 +349,6 @@ def test_a_server_that_dies_mid_step_fails_the_step_naming_it(engine):
     proc.proc.wait(30)
     with pytest.raises(ServerError, match=r"server-0 \(http://127\.0\.0\.1:(\d+), log .*server-0-port\1\.log\)"):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))
-
-
-# --- LoRA: adapter-only sync --------------------------------------------------------------------------------------
-
-
-def _peft(make_tiny_model, seed: int):
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(make_tiny_model(seed=0, **VLLM_TINY), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                                             target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return model.eval()
-
-
-@pytest.mark.slow
-def test_adapter_only_sync_serves_each_version_without_a_merge(model_dir, tokenizer, make_tiny_model, tmp_path):
-    """rollout.lora_sync adapter: each version is a LoRA adapter on the servers (no merged weights move); µ equals
-    the PEFT model's forward; a request in flight finishes under the adapter it started with, stamped with its
-    version, while new requests use the new one; an adapter no request uses is unloaded."""
-    from dppo.train.weights import engine_state
-
-    first, second = _peft(make_tiny_model, 1), _peft(make_tiny_model, 2)
-    settings = VLLMServerSettings(kv_cache_gb=KV_GB, lora_sync="adapter")
-    adapter = Adapter(rank=4, alpha=8, target_modules=("q_proj", "v_proj"))
-    with make_engine("vllm-server", model_dir, tokenizer, settings, log_dir=tmp_path, adapter=adapter) as eng:
-        state = engine_state(first, adapter=True)
-        assert state and all("lora_" in k for k in state)
-        eng.load_weights(state)
-        assert eng.weight_version == 1 and eng._adapter == "dppo-v1"
-        for r in eng.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=12)):
-            assert (picked(first, r) - r.rollout_logp).abs().max() <= 1e-4
-            assert bool((r.token_versions == 1).all())
-        polls = []
-
-        def between_chunks() -> bool:
-            polls.append(1)
-            if len(polls) == 2:
-                eng.load_weights(engine_state(second, adapter=True))
-                return True
-            return False
-
-        eng.between_chunks = between_chunks
-        rollouts = eng.generate(PROMPTS, SamplingParams(n=4, temperature=0.6, max_new_tokens=400))
-        eng.between_chunks = None
-        assert eng.weight_version == 2
-        for r in rollouts:  # all sent before the update: adapter 1 to the end
-            assert bool((r.token_versions == 1).all())
-            assert (picked(first, r, 0.6) - r.rollout_logp).abs().max() <= 1e-4
-        assert not (eng._weights_dir / "adapter-1").exists() and (eng._weights_dir / "adapter-2").is_dir()
-        (r,) = eng.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12))
-        assert bool((r.token_versions == 2).all()) and (picked(second, r) - r.rollout_logp).abs().max() <= 1e-4
 
 
 @pytest.mark.slow

@@ -4,8 +4,8 @@ left out until it answers again; the trainer, with one server or two, finishes e
 (With rollout.vllm_server.restarts 0 the step fails naming the server: test_server_engine.py.)
 
 This is dppo's logic: the tests run on the fake server (`fake_vllm_server.py`, the routes dppo uses over the tiny
-model in fp32, healthy in seconds); the restart of a server killed mid-call runs on real vLLM too (a start costs
-~30 s on 2 cores: slow).
+model in fp32, healthy in seconds); one restart runs on real vLLM too (a start costs ~25-30 s on 2 cores: slow),
+after a SIGKILL of its API process that also checks, with nobody calling `stop`, that nothing of it is left.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from server_processes import (REAL, KV_GB, VLLM_TINY, fake_vllm, model_dir, picked, server,  # noqa: F401 (fixtures)
+from server_processes import (KV_GB, VLLM_TINY, fake_vllm, group, model_dir, picked, real_vllm,  # noqa: F401
                               start, wait_gone)
 
 from dppo.rollout import SamplingParams, make_engine
@@ -51,13 +51,28 @@ def events(log_dir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.parametrize("server", ["fake", REAL], indirect=True)
 def test_a_server_killed_mid_call_is_restarted_with_the_current_weights_and_the_call_completes(
-        server, model_dir, tokenizer, make_tiny_model, tmp_path):
+        fake_vllm, model_dir, tokenizer, make_tiny_model, tmp_path):
     """One server, weights synced once, SIGKILLed while a generate call is out: the call returns every response, the
     server is restarted on a new port and given the synced weights before it takes requests (µ equals those
     weights' forward, not the model folder's), nothing of the old server is left, and each event is counted and
-    written to events.jsonl."""
+    written to events.jsonl. On the fake server (real vLLM: the test below)."""
+    _killed_then_restarted(model_dir, tokenizer, make_tiny_model, tmp_path, mid_call=True)
+
+
+@real_vllm
+def test_a_vllm_server_whose_api_process_is_killed_leaves_nothing_and_is_restarted_with_the_current_weights(
+        model_dir, tokenizer, make_tiny_model, tmp_path):
+    """Real vLLM: SIGKILL of the server's API process alone, while no call is out — so nobody calls
+    `ServerProcess.stop` (the engine notices a dead server only when it calls it): every process of the server's
+    group (engine core, its worker, the resource tracker) is gone within seconds, by the watchdogs alone (they
+    used to be re-parented to PID 1 and keep ~3 GB). The next call then finds the server dead, restarts it on a new
+    port with the synced weights and completes, as in the fake-server test above. (The engine core's SIGKILL:
+    test_server_faults.py.)"""
+    _killed_then_restarted(model_dir, tokenizer, make_tiny_model, tmp_path, mid_call=False)
+
+
+def _killed_then_restarted(model_dir, tokenizer, make_tiny_model, tmp_path, *, mid_call: bool) -> None:
     from dppo.train.weights import engine_state
 
     trained = make_tiny_model(seed=7, **VLLM_TINY)
@@ -66,7 +81,13 @@ def test_a_server_killed_mid_call_is_restarted_with_the_current_weights_and_the_
         eng.load_weights(engine_state(trained))
         member = eng.group.members[0]
         old_pid, old_url = member.process.pid, member.client.url
-        kill_when_busy(member)
+        if mid_call:
+            kill_when_busy(member)
+        else:
+            assert len(group(old_pid)) >= 3, [p.cmdline() for p in group(old_pid)]  # API server, core, worker
+            os.kill(old_pid, signal.SIGKILL)
+            assert wait_gone(old_pid) == [], "outlived the API server's SIGKILL"
+            assert member.process.pid == old_pid and eng.metrics()["server/failures"] == 0  # (nobody noticed)
         rollouts = eng.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=48))
         assert len(rollouts) == 6 and [r.prompt_index for r in rollouts] == [0, 0, 1, 1, 2, 2]
         assert member.process.pid != old_pid and member.client.url != old_url
