@@ -597,10 +597,29 @@ def exact_answer(completions, answer, **kwargs) -> list[float]:
     return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
 
+@pytest.fixture(scope="module")
+def warm_addition(tmp_path_factory) -> Path:
+    """The tiny model warm-started on one-digit addition (as tests/train/test_learning.py), once for both seeds."""
+    from dppo.runtime.models import char_tokenizer, save_model, tiny_random_model
+    from dppo.studies.sft import sft_warm_start
+    from dppo.tasks import make_task
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tok = char_tokenizer()
+        task = make_task("addition", digits=1, size=80, eval_size=20, seed=0)
+        model = tiny_random_model(tok, hidden_size=128, num_layers=2, seed=0)
+        sft_warm_start(model, tok, list(task.train), steps=60, batch_size=64, lr=3e-3, seed=0)
+    finally:
+        torch.set_num_threads(threads)
+    return save_model(model, tok, tmp_path_factory.mktemp("warm-addition"))
+
+
 @needs_trl
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
-def test_dppo_trainer_raises_the_reward_of_a_warm_started_model(tmp_path, seed):
+def test_dppo_trainer_raises_the_reward_of_a_warm_started_model(warm_addition, tmp_path, seed):
     """DPPOTrainer inside TRL's loop learns: the tiny model warm-started on one-digit addition (`dppo.studies.sft`,
     60 steps, as tests/train/test_learning.py), then 80 DPPO-Binary-TV steps of 32 prompts x 8 (lr 3e-4, fp32, 4 new
     tokens); the mean training reward of the last 10 steps beats the first 10's by 0.12.
@@ -612,25 +631,19 @@ def test_dppo_trainer_raises_the_reward_of_a_warm_started_model(tmp_path, seed):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dppo.integrations.trl import DPPOConfig, DPPOTrainer
-    from dppo.runtime.models import char_tokenizer, save_model, tiny_random_model
-    from dppo.studies.sft import sft_warm_start
     from dppo.tasks import make_task
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls are slower on 2 threads
     try:
-        tok = char_tokenizer()
         task = make_task("addition", digits=1, size=80, eval_size=20, seed=0)
-        model = tiny_random_model(tok, hidden_size=128, num_layers=2, seed=0)
-        sft_warm_start(model, tok, list(task.train), steps=60, batch_size=64, lr=3e-3, seed=0)
-        save_model(model, tok, tmp_path / "warm")
         config = DPPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, gradient_checkpointing=False,
                             learning_rate=3e-4, lr_scheduler_type="constant", beta=0.0, num_generations=8,
                             per_device_train_batch_size=256, max_completion_length=4, temperature=1.0, max_steps=80,
                             logging_steps=1, report_to="none", save_strategy="no", seed=seed, disable_tqdm=True)
-        trainer = DPPOTrainer(model=AutoModelForCausalLM.from_pretrained(tmp_path / "warm", dtype=torch.float32),
+        trainer = DPPOTrainer(model=AutoModelForCausalLM.from_pretrained(warm_addition, dtype=torch.float32),
                               reward_funcs=exact_answer, args=config, processing_class=AutoTokenizer.from_pretrained(
-                                  tmp_path / "warm"),
+                                  warm_addition),
                               train_dataset=Dataset.from_list([{"prompt": ex.prompt, "answer": ex.answer}
                                                                for ex in task.train]))
         trainer.train()
