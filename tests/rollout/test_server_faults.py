@@ -5,8 +5,8 @@ core, or the process that started it (kill -9, or a crash that never reaches `cl
 server's group (API server, engine core, its worker, multiprocessing's resource tracker) is gone within seconds,
 with nobody calling `ServerProcess.stop`. (A run going on when a server dies: test_server_recovery.py.)
 
-The kill of vLLM's engine core runs on real vLLM (a server of its own, ~25-30 s on 2 cores: slow; the API process's
-kill on real vLLM is in test_server_recovery.py, where the same server is then restarted);
+The SIGKILLs of vLLM's own processes (the API process, then the restarted server's engine core) run on real vLLM in
+test_server_recovery.py, between which the same server is restarted (a start costs ~25-30 s on 2 cores);
 `stop` and the death of the owner are dppo's logic and run on the fake server (`fake_vllm_server.py`: an API
 process, an "engine core" and its "worker", each with dppo's watchdog, like a vLLM server with dppo's plugin).
 """
@@ -20,26 +20,10 @@ import sys
 import textwrap
 
 import pytest
-from server_processes import (engine_core, fake_vllm, group, model_dir, real_vllm, start,  # noqa: F401 (fixtures)
+from server_processes import (engine_core, fake_vllm, group, model_dir, start,  # noqa: F401 (fixtures)
                               wait_gone)
 
-pytestmark = pytest.mark.slow  # (each test starts a server: seconds on the fake, ~30 s on vLLM)
-
-
-@real_vllm
-def test_a_killed_engine_core_takes_its_whole_server_with_it(model_dir, tmp_path):
-    """SIGKILL of the server's engine core alone, while its owner (this process) lives on and calls nothing: every
-    process of the server is gone within seconds (before the fix, its worker and the resource tracker were
-    re-parented to PID 1 and kept ~3 GB). The API process's SIGKILL, with the same check, is the real-vLLM test of
-    test_server_recovery.py, which then restarts the server."""
-    proc = start(model_dir, tmp_path)
-    try:
-        members = group(proc.pid)
-        assert len(members) >= 3, [p.cmdline() for p in members]  # API server, engine core, worker (+ tracker)
-        os.kill(engine_core(proc.pid).pid, signal.SIGKILL)
-        assert wait_gone(proc.pid) == [], "outlived the engine core's SIGKILL"
-    finally:
-        proc.stop()
+pytestmark = pytest.mark.slow  # (each test starts a fake server: seconds)
 
 
 def test_stop_kills_what_is_left_of_a_server_whose_api_process_died(fake_vllm, model_dir, tmp_path):

@@ -5,7 +5,8 @@ left out until it answers again; the trainer, with one server or two, finishes e
 
 This is dppo's logic: the tests run on the fake server (`fake_vllm_server.py`, the routes dppo uses over the tiny
 model in fp32, healthy in seconds); one restart runs on real vLLM too (a start costs ~25-30 s on 2 cores: slow),
-after a SIGKILL of its API process that also checks, with nobody calling `stop`, that nothing of it is left.
+between SIGKILLs of its API process and of the restarted server's engine core, each checked, with nobody calling
+`stop`, to leave nothing behind.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import threading
 import time
 
 import pytest
-from server_processes import (KV_GB, VLLM_TINY, fake_vllm, group, model_dir, picked, real_vllm,  # noqa: F401
-                              start, wait_gone)
+from server_processes import (KV_GB, VLLM_TINY, engine_core, fake_vllm, group, model_dir, picked,  # noqa: F401
+                              real_vllm, start, wait_gone)
 
 from dppo.rollout import SamplingParams, make_engine
 from dppo.rollout.server.launch import ServerLaunch
@@ -61,14 +62,15 @@ def test_a_server_killed_mid_call_is_restarted_with_the_current_weights_and_the_
 
 
 @real_vllm
-def test_a_vllm_server_whose_api_process_is_killed_leaves_nothing_and_is_restarted_with_the_current_weights(
+def test_a_killed_vllm_server_leaves_nothing_and_is_restarted_with_the_current_weights(
         model_dir, tokenizer, make_tiny_model, tmp_path):
-    """Real vLLM: SIGKILL of the server's API process alone, while no call is out — so nobody calls
-    `ServerProcess.stop` (the engine notices a dead server only when it calls it): every process of the server's
-    group (engine core, its worker, the resource tracker) is gone within seconds, by the watchdogs alone (they
-    used to be re-parented to PID 1 and keep ~3 GB). The next call then finds the server dead, restarts it on a new
-    port with the synced weights and completes, as in the fake-server test above. (The engine core's SIGKILL:
-    test_server_faults.py.)"""
+    """Real vLLM (two server starts: the suite's only real-vLLM fault test). SIGKILL of the server's API process
+    alone, while no call is out — so nobody calls `ServerProcess.stop` (the engine notices a dead server only when
+    it calls it): every process of the server's group (engine core, its worker, the resource tracker) is gone
+    within seconds, by the watchdogs alone (they used to be re-parented to PID 1 and keep ~3 GB). The next call
+    then finds the server dead, restarts it on a new port with the synced weights and completes, as in the
+    fake-server test above. Last, SIGKILL of the restarted server's engine core alone: again nothing of it is left.
+    (The death of the process that started a server: test_server_faults.py, on the fake server.)"""
     _killed_then_restarted(model_dir, tokenizer, make_tiny_model, tmp_path, mid_call=False)
 
 
@@ -99,6 +101,10 @@ def _killed_then_restarted(model_dir, tokenizer, make_tiny_model, tmp_path, *, m
         assert counts["server/failures"] == 1 and counts["server/restarts"] == 1 and counts["server/rejoins"] == 1
         assert counts["server/retried_requests"] >= 1 and counts["server/up"] == 1
         assert [e["event"] for e in events(tmp_path)] == ["failed", "restarting", "rejoined"]
+        # the restarted server's engine core SIGKILLed, again with nobody calling: nothing of that server is left
+        new_pid = member.process.pid
+        os.kill(engine_core(new_pid).pid, signal.SIGKILL)
+        assert wait_gone(new_pid) == [], "outlived the engine core's SIGKILL"
 
 
 def test_an_attached_server_that_dies_is_left_out_until_it_answers_again(fake_vllm, model_dir, tokenizer,
