@@ -27,7 +27,7 @@ RANK = {"math": 0, "runtime": 1, "rewards": 2, "tasks": 3, "envs": 4, "rollout":
 """A module may import modules of its own layer or of a lower rank."""
 
 MATH_TIERS = (("_checks", "example", "fused_logprobs", "collapse_warning"), ("divergence", "advantages", "logprobs", "_extras"),
-              ("sequence_mask",),
+              ("sequence_mask", "kept_set"),
               ("trust_region", "metrics"), ("loss_spec", "ledger"), ("losses",))
 """The math layer's modules (dppo/<name>.py) in import order: each imports only modules of an earlier tier (the
 package's own __init__ may import any). A new math module is added to the tier after the last one it imports."""
