@@ -128,6 +128,10 @@ class Rollout:
     """[T, K+1] float32: µ's log-probs at topk_ids (0 where invalid)."""
     rollout_topk_valid: Tensor | None = None
     """[T, K+1] bool: True where the slot is used (first K always; the last only for an out-of-top-K token)."""
+    rollout_kept_size: Tensor | None = None
+    """[T] int64: the size of the kept set each token was sampled from, under top_k/top_p truncation (the tokens the
+    truncation leaves; `rollout_logp` is then log µ_S, of the truncated and renormalised distribution; the replay:
+    `dppo.kept_set`). None = untruncated sampling, or an engine that does not record it."""
     loss_mask: Tensor | None = None
     """[T] bool: True where the policy sampled the token (multi-turn episodes: False on the environment's tokens,
     whose `rollout_logp` is 0 and top-K cells invalid). None = every token was sampled (single-turn)."""

@@ -18,7 +18,9 @@ How it samples (one `generate` call):
 - A row ends at its first EOS (tokenizer / generation-config EOS) or `stop_token_ids` token, which is kept.
   Every few steps finished rows are dropped from the batch (and its cache); the loop ends when none is left.
 - top_p / top_k (without top-K capture) are supported: tokens outside the truncated set get probability 0 and
-  `rollout_logp` is the log-prob under the truncated, renormalised distribution that was actually sampled.
+  `rollout_logp` is the log-prob under the truncated, renormalised distribution that was actually sampled; each
+  token's kept-set size is recorded (`Rollout.rollout_kept_size`: the top_k largest, then the smallest prefix whose
+  mass reaches top_p), for the trainer's replay (`dppo.kept_set`; issue 62).
 
 Prefix cache (off unless `enable_prefix_cache(max_tokens)`; multi-turn episodes turn it on): the KV of every
 sequence a call generated (its prompt and response, up to the last token fed) is kept, by token ids, and a later
@@ -192,7 +194,8 @@ class HFEngine:
                                 max_logprobs=self.max_logprobs, max_context=self.max_context)
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams, uniforms: Tensor, stop_ids: Tensor):
-        """Decode one batch. Returns tokens [B, T], logp [B, T] and (top-K ids, logp) [B, T, K] or None."""
+        """Decode one batch. Returns tokens [B, T], logp [B, T], (top-K ids, logp) [B, T, K] or None, the token
+        versions [B, T] and the kept sets' sizes [B, T] (None without truncation)."""
         model, device, T, K = self.model, self.device, params.max_new_tokens, params.top_k_logprobs
         B = len(prompt_ids) * params.n
         logits, cache, attn = self._prefill(prompt_ids, params.n, capacity_extra=T)
@@ -201,14 +204,17 @@ class HFEngine:
         logp = torch.zeros((B, T), dtype=torch.float32, device=device)
         topk_ids = torch.zeros((B, T, K), dtype=torch.long, device=device) if K else None
         topk_logp = torch.zeros((B, T, K), dtype=torch.float32, device=device) if K else None
+        kept = torch.zeros((B, T), dtype=torch.long, device=device) if _truncates(params) else None
         rows = torch.arange(B, device=device)  # original row of each active row
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         versions = torch.full((B, T), self.weight_version, dtype=torch.long, device=device)
         for t in range(T):
-            tok, tok_logp, top = _sample_step(logits, uniforms[rows, t], params)
+            tok, tok_logp, top, kept_now = _sample_step(logits, uniforms[rows, t], params)
             tokens[rows, t], logp[rows, t] = tok, tok_logp
             if K:
                 topk_ids[rows, t], topk_logp[rows, t] = top
+            if kept is not None:
+                kept[rows, t] = kept_now
             finished |= torch.isin(tok, stop_ids)
             if t == T - 1:
                 break
@@ -235,7 +241,7 @@ class HFEngine:
             next_pos = next_pos + 1
         if self._prefix is not None:
             self._save(prompt_ids, params.n, rows, torch.ones_like(finished), cache, attn, tokens, stop_ids, fed=t)
-        return tokens, logp, (topk_ids, topk_logp) if K else None, versions
+        return tokens, logp, (topk_ids, topk_logp) if K else None, versions, kept
 
     def _save(self, prompt_ids, n: int, rows: Tensor, which: Tensor, cache, attn: Tensor, tokens: Tensor,
               stop_ids: Tensor, *, fed: int) -> None:
@@ -320,8 +326,9 @@ class HFEngine:
 
     def _to_rollouts(self, prompt_ids, start, params, out, stop_ids) -> list[Rollout]:
         """Cut each row at its first stop token and build the Rollout objects (one host transfer)."""
-        tokens, logp, top, versions = out
+        tokens, logp, top, versions, kept = out
         T = tokens.shape[1]
+        kept = kept.cpu() if kept is not None else None
         versions = versions.cpu()
         is_stop = torch.isin(tokens, stop_ids)
         lengths = torch.where(is_stop.any(-1), is_stop.int().argmax(-1) + 1, T)
@@ -349,6 +356,7 @@ class HFEngine:
                     rollout_topk_ids=topk_ids[b, :length].clone() if top is not None else None,
                     rollout_topk_logp=topk_logp[b, :length].clone() if top is not None else None,
                     rollout_topk_valid=topk_valid[b, :length].clone() if top is not None else None,
+                    rollout_kept_size=kept[b, :length].clone() if kept is not None else None,
                 )
             )
         return rollouts
@@ -451,11 +459,16 @@ class _PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, : self.length], self._v[:, :, : self.length]
 
 
+def _truncates(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0
+
+
 def _sample_step(logits: Tensor, u: Tensor, params: SamplingParams):
     """Draw one token per row from softmax(logits / τ) (truncated by top_k/top_p) by inverse CDF at u [b].
 
-    Returns (tokens [b], their log-probs [b], (top-K ids, log-probs) [b, K] or None), all from the same
-    float32 log-softmax that defines the sampled distribution.
+    Returns (tokens [b], their log-probs [b], (top-K ids, log-probs) [b, K] or None, the kept set's size [b] or None
+    without truncation), all from the same float32 log-softmax that defines the sampled distribution (µ_S: the
+    truncated, renormalised one; the tokens outside the kept set have log-prob -inf).
     """
     scaled = logits.float()
     if params.temperature != 1.0:
@@ -472,7 +485,8 @@ def _sample_step(logits: Tensor, u: Tensor, params: SamplingParams):
     if params.top_k_logprobs:
         values, ids = logp_all.topk(params.top_k_logprobs, dim=-1, sorted=True)
         top = (ids, values)
-    return tok[:, 0], tok_logp, top
+    kept = torch.isfinite(logp_all).sum(-1) if _truncates(params) else None
+    return tok[:, 0], tok_logp, top, kept
 
 
 def _truncate(scaled: Tensor, *, top_k: int, top_p: float) -> Tensor:

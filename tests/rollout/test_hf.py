@@ -221,6 +221,49 @@ def test_truncated_sampling_records_the_truncated_distribution(tiny_model, token
         assert (picked - r.rollout_logp).abs().max() <= 1e-4
 
 
+def _kept_set_reference(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """[V] bool, one position's kept set, the slow way: the top_k largest scaled logits, then the smallest prefix of
+    those (by probability, renormalised) whose mass reaches top_p."""
+    order = sorted(range(logits.numel()), key=lambda v: -float(logits[v]))
+    if top_k:
+        order = order[:top_k]
+    probs = torch.softmax(logits[order].double(), -1).tolist()
+    kept, mass = [], 0.0
+    for v, q in zip(order, probs):
+        if mass > top_p:
+            break
+        kept.append(v)
+        mass += q
+    out = torch.zeros(logits.numel(), dtype=torch.bool)
+    out[kept] = True
+    return out
+
+
+@pytest.mark.parametrize("top_k, top_p", [(7, 1.0), (0, 0.8), (12, 0.9)])
+def test_the_recorded_kept_set_is_the_one_its_own_logits_give(tiny_model, tokenizer, chat_prompts, top_k, top_p):
+    """Each token's recorded kept-set size equals the size of the set recomputed from a plain fp32 forward (top_k,
+    then top_p over what is left), the token lies in it, and `rollout_logp` is log µ_S(a): log µ(a) − log µ(S).
+    Untruncated sampling records no sizes."""
+    engine = HFEngine(tiny_model, tokenizer)
+    params = SamplingParams(n=2, max_new_tokens=10, temperature=0.8, top_k=top_k, top_p=top_p, seed=5)
+    sizes = []
+    for r in engine.generate(chat_prompts, params):
+        scaled = recompute_logp(tiny_model, r, temperature=0.8)  # log µ of the untruncated distribution
+        assert r.rollout_kept_size is not None and r.rollout_kept_size.shape == r.response_ids.shape
+        for t, a in enumerate(r.response_ids.tolist()):
+            kept = _kept_set_reference(scaled[t], top_k, top_p)
+            assert int(r.rollout_kept_size[t]) == int(kept.sum()) and bool(kept[a])
+            log_mass = torch.logsumexp(scaled[t][kept], -1)
+            assert abs(float(scaled[t, a] - log_mass - r.rollout_logp[t])) <= 1e-4
+            sizes.append(int(kept.sum()))
+    if top_p < 1.0:
+        assert 1 <= min(sizes) < max(sizes)  # the nucleus really varies from token to token
+    else:
+        assert set(sizes) == {top_k}  # top_k alone: every set is the top_k (of a vocabulary of 100)
+    (plain,) = engine.generate([chat_prompts[0]], SamplingParams(max_new_tokens=4, seed=5))
+    assert plain.rollout_kept_size is None
+
+
 def test_top_p_tiny_is_greedy(tiny_model, tokenizer, chat_prompts):
     engine = HFEngine(tiny_model, tokenizer)
     for r in engine.generate(chat_prompts, SamplingParams(max_new_tokens=8, top_p=1e-6, seed=0)):
