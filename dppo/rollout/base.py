@@ -42,6 +42,9 @@ class SamplingParams:
     """Nucleus truncation. < 1 changes µ; refused together with top_k_logprobs > 0."""
     top_k: int = 0
     """Top-k truncation of sampling (0 = off). Changes µ; refused together with top_k_logprobs > 0."""
+    min_p: float = 0.0
+    """Min-p truncation (0 = off): after the temperature, tokens with probability below min_p × the most likely
+    token's are dropped (before top_k / top_p, as vLLM applies it). Changes µ; refused with top_k_logprobs > 0."""
     seed: int | None = None
     """Seed for this call (HF engine). The vLLM engine is seeded at construction (see its module)."""
 
@@ -58,10 +61,12 @@ class SamplingParams:
             raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k: expected >= 0, got {self.top_k}")
-        if self.top_k_logprobs > 0 and (self.top_p < 1 or self.top_k > 0):
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: expected in [0, 1], got {self.min_p}")
+        if self.top_k_logprobs > 0 and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0):
             raise ValueError(
-                "top_p/top_k: truncated sampling changes µ, so the recorded top-K log-probs would not be those "
-                "of the sampled distribution; use top_p=1 and top_k=0 with top_k_logprobs > 0"
+                "top_p/top_k/min_p: truncated sampling changes µ, so the recorded top-K log-probs would not be "
+                "those of the sampled distribution; use top_p=1, top_k=0 and min_p=0 with top_k_logprobs > 0"
             )
 
 

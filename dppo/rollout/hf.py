@@ -17,10 +17,10 @@ How it samples (one `generate` call):
   construction), so successive calls differ but a run is reproducible.
 - A row ends at its first EOS (tokenizer / generation-config EOS) or `stop_token_ids` token, which is kept.
   Every few steps finished rows are dropped from the batch (and its cache); the loop ends when none is left.
-- top_p / top_k (without top-K capture) are supported: tokens outside the truncated set get probability 0 and
+- top_p / top_k / min_p (without top-K capture) are supported: tokens outside the truncated set get probability 0 and
   `rollout_logp` is the log-prob under the truncated, renormalised distribution that was actually sampled; each
-  token's kept-set size is recorded (`Rollout.rollout_kept_size`: the top_k largest, then the smallest prefix whose
-  mass reaches top_p), for the trainer's replay (`dppo.kept_set`; issue 62).
+  token's kept-set size is recorded (`Rollout.rollout_kept_size`: those at ≥ min_p × the top probability, the top_k
+  largest of them, then the smallest prefix whose mass reaches top_p), for the trainer's replay (`dppo.kept_set`; issue 62).
 
 Prefix cache (off unless `enable_prefix_cache(max_tokens)`; multi-turn episodes turn it on): the KV of every
 sequence a call generated (its prompt and response, up to the last token fed) is kept, by token ids, and a later
@@ -460,7 +460,7 @@ class _PreallocatedLayer(DynamicLayer):
 
 
 def _truncates(params: SamplingParams) -> bool:
-    return params.top_k > 0 or params.top_p < 1.0
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
 def _sample_step(logits: Tensor, u: Tensor, params: SamplingParams):
@@ -473,7 +473,7 @@ def _sample_step(logits: Tensor, u: Tensor, params: SamplingParams):
     scaled = logits.float()
     if params.temperature != 1.0:
         scaled = scaled / params.temperature
-    scaled = _truncate(scaled, top_k=params.top_k, top_p=params.top_p)
+    scaled = _truncate(scaled, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
     logp_all = scaled.log_softmax(-1)
     cdf = logp_all.exp().cumsum(-1)
     total = cdf[:, -1:]
@@ -489,8 +489,12 @@ def _sample_step(logits: Tensor, u: Tensor, params: SamplingParams):
     return tok[:, 0], tok_logp, top, kept
 
 
-def _truncate(scaled: Tensor, *, top_k: int, top_p: float) -> Tensor:
-    """Set logits outside the top-k, then outside the top-p nucleus, to -inf (always keeps the argmax)."""
+def _truncate(scaled: Tensor, *, top_k: int, top_p: float, min_p: float = 0.0) -> Tensor:
+    """Set logits below min_p × the top probability, then outside the top-k, then outside the top-p nucleus, to
+    -inf (vLLM's order; always keeps the argmax)."""
+    if min_p > 0.0:
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if top_k and top_k < scaled.shape[-1]:
         kth = scaled.topk(top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -201,6 +201,7 @@ class VLLMEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
+            min_p=params.min_p,
             max_tokens=params.max_new_tokens,
             stop_token_ids=sorted(self.eos_ids | set(params.stop_token_ids)),
             ignore_eos=True,  # EOS ids are in stop_token_ids: `eos_ids` is the one place that decides

@@ -170,6 +170,7 @@ class Fake:
         n, max_tokens = int(sp.get("n", 1)), int(sp.get("max_tokens") or 16)
         temperature, top_p, top_k = float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), int(
             sp.get("top_k") or 0)
+        min_p = float(sp.get("min_p") or 0.0)
         stops, k = set(sp.get("stop_token_ids") or []), int(sp.get("logprobs") or 0)
         if k > self.args.max_logprobs:
             raise ValueError(f"Requested sample logprobs of {k}, which is greater than max allowed: "
@@ -206,7 +207,7 @@ class Fake:
                         net = adapter if adapter is not None else self.model
                         ids = torch.tensor([prompt + c["ids"] for c in live])
                         logits = net(input_ids=ids).logits[:, -1].float() / temperature
-                        logits = _mask(torch, logits, top_k, top_p)
+                        logits = _mask(torch, logits, top_k, top_p, min_p)
                         logp = torch.log_softmax(logits, -1)
                         picks = torch.multinomial(logp.exp(), 1, generator=self.generator)[:, 0]
                 finally:
@@ -242,7 +243,10 @@ class Fake:
         return {"choices": choices}
 
 
-def _mask(torch, logits, top_k: int, top_p: float):
+def _mask(torch, logits, top_k: int, top_p: float, min_p: float = 0.0):
+    if min_p > 0.0:  # (vLLM's order: min_p, then top_k, then top_p)
+        probs = torch.softmax(logits, -1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, -1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -221,10 +221,12 @@ def test_truncated_sampling_records_the_truncated_distribution(tiny_model, token
         assert (picked - r.rollout_logp).abs().max() <= 1e-4
 
 
-def _kept_set_reference(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """[V] bool, one position's kept set, the slow way: the top_k largest scaled logits, then the smallest prefix of
-    those (by probability, renormalised) whose mass reaches top_p."""
-    order = sorted(range(logits.numel()), key=lambda v: -float(logits[v]))
+def _kept_set_reference(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """[V] bool, one position's kept set, the slow way: the tokens of probability ≥ min_p × the largest, the top_k
+    largest of those, then the smallest prefix of those (by probability, renormalised) whose mass reaches top_p."""
+    full = torch.softmax(logits.double(), -1)
+    order = sorted((v for v in range(logits.numel()) if full[v] >= min_p * float(full.max())),
+                   key=lambda v: -float(logits[v]))
     if top_k:
         order = order[:top_k]
     probs = torch.softmax(logits[order].double(), -1).tolist()
@@ -239,25 +241,27 @@ def _kept_set_reference(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return out
 
 
-@pytest.mark.parametrize("top_k, top_p", [(7, 1.0), (0, 0.8), (12, 0.9)])
-def test_the_recorded_kept_set_is_the_one_its_own_logits_give(tiny_model, tokenizer, chat_prompts, top_k, top_p):
+@pytest.mark.parametrize("top_k, top_p, min_p", [(7, 1.0, 0.0), (0, 0.8, 0.0), (12, 0.9, 0.0), (0, 1.0, 0.05),
+                                                 (20, 0.95, 0.02)])
+def test_the_recorded_kept_set_is_the_one_its_own_logits_give(tiny_model, tokenizer, chat_prompts, top_k, top_p,
+                                                              min_p):
     """Each token's recorded kept-set size equals the size of the set recomputed from a plain fp32 forward (top_k,
-    then top_p over what is left), the token lies in it, and `rollout_logp` is log µ_S(a): log µ(a) − log µ(S).
+    then top_p over what is left; min_p first), the token lies in it, and `rollout_logp` is log µ_S(a): log µ(a) − log µ(S).
     Untruncated sampling records no sizes."""
     engine = HFEngine(tiny_model, tokenizer)
-    params = SamplingParams(n=2, max_new_tokens=10, temperature=0.8, top_k=top_k, top_p=top_p, seed=5)
+    params = SamplingParams(n=2, max_new_tokens=10, temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p, seed=5)
     sizes = []
     for r in engine.generate(chat_prompts, params):
         scaled = recompute_logp(tiny_model, r, temperature=0.8)  # log µ of the untruncated distribution
         assert r.rollout_kept_size is not None and r.rollout_kept_size.shape == r.response_ids.shape
         for t, a in enumerate(r.response_ids.tolist()):
-            kept = _kept_set_reference(scaled[t], top_k, top_p)
+            kept = _kept_set_reference(scaled[t], top_k, top_p, min_p)
             assert int(r.rollout_kept_size[t]) == int(kept.sum()) and bool(kept[a])
             log_mass = torch.logsumexp(scaled[t][kept], -1)
             assert abs(float(scaled[t, a] - log_mass - r.rollout_logp[t])) <= 1e-4
             sizes.append(int(kept.sum()))
-    if top_p < 1.0:
-        assert 1 <= min(sizes) < max(sizes)  # the nucleus really varies from token to token
+    if top_p < 1.0 or min_p > 0.0:
+        assert 1 <= min(sizes) < max(sizes) < 100  # the set really varies from token to token, and cuts
     else:
         assert set(sizes) == {top_k}  # top_k alone: every set is the top_k (of a vocabulary of 100)
     (plain,) = engine.generate([chat_prompts[0]], SamplingParams(max_new_tokens=4, seed=5))
@@ -340,6 +344,11 @@ def test_bad_inputs_raise_value_error_naming_the_parameter(tiny_model, tokenizer
 def test_topk_logprobs_with_truncation_is_refused():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_k_logprobs=5, top_p=0.9)
+    with pytest.raises(ValueError, match="min_p=0 with top_k_logprobs"):
+        SamplingParams(top_k_logprobs=5, min_p=0.1)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"min_p: expected in \[0, 1\]"):
+            SamplingParams(min_p=bad)
 
 
 def test_chat_prompts_need_a_tokenizer(tiny_model, chat_prompts):

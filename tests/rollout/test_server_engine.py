@@ -126,6 +126,20 @@ def test_an_agent_through_the_proxy_on_the_server_engine_records_mu_and_its_topk
     assert torch.allclose(ref.topk_logp[valid], batch.rollout_topk_logp[valid], rtol=0, atol=1e-4)
 
 
+def test_truncated_sampling_reaches_the_server_and_mu_is_the_kept_sets_distribution(engine, server_model):
+    """min_p, top_k and top_p go through the server's API: each sampled token lies in the kept set recomputed from
+    an fp32 forward (test_hf.py's slow reference) and rollout_logp is log µ_S(a)."""
+    from test_hf import _kept_set_reference
+
+    for r in engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=10, temperature=0.8, top_k=12, top_p=0.9,
+                                                     min_p=0.02)):
+        scaled = scores(server_model, r, 0.8)
+        for t, a in enumerate(r.response_ids.tolist()):
+            kept = _kept_set_reference(scaled[t], 12, 0.9, 0.02)
+            assert bool(kept[a]) and kept.sum() < scaled.shape[-1]
+            assert abs(float(scaled[t, a] - torch.logsumexp(scaled[t][kept], -1) - r.rollout_logp[t])) <= 1e-4
+
+
 def test_stop_tokens_and_validation(engine):
     (r,) = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=40, stop_token_ids=tuple(range(100))))
     assert r.finish_reason in ("stop", "eos") and r.response_ids.numel() == 1  # every token stops it

@@ -107,6 +107,21 @@ def test_engines_with_the_same_seed_agree_and_a_module_can_be_served(model_dir, 
     assert len(engine.generate(IDS_PROMPTS, params)) == 6  # closing them left the module's engine working
 
 
+def test_truncated_sampling_draws_inside_the_kept_set_and_records_its_distribution(engine, vllm_model, chat_prompts):
+    """min_p, top_k and top_p reach vLLM: every sampled token lies in the kept set recomputed from a plain fp32
+    forward (test_hf.py's slow reference), and rollout_logp is log µ_S(a), the truncated and renormalised
+    distribution's (vLLM's processed_logprobs are taken after the truncation)."""
+    from test_hf import _kept_set_reference
+
+    for r in engine.generate(chat_prompts, SamplingParams(n=2, max_new_tokens=10, temperature=0.8, top_k=12,
+                                                          top_p=0.9, min_p=0.02, seed=1)):
+        scaled = recompute_logp(vllm_model, r, temperature=0.8)
+        for t, a in enumerate(r.response_ids.tolist()):
+            kept = _kept_set_reference(scaled[t], 12, 0.9, 0.02)
+            assert bool(kept[a]) and kept.sum() < scaled.shape[-1]
+            assert abs(float(scaled[t, a] - torch.logsumexp(scaled[t][kept], -1) - r.rollout_logp[t])) <= 1e-4
+
+
 def test_n_samples_per_prompt_are_prompt_major(engine, tokenizer, chat_prompts):
     rollouts = engine.generate(chat_prompts + [IDS_PROMPTS[0]], SamplingParams(n=4, max_new_tokens=10, seed=0))
     assert [r.prompt_index for r in rollouts] == [i for i in range(4) for _ in range(4)]

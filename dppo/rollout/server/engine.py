@@ -321,6 +321,7 @@ class ServerEngine:
         up) and add it to `pending`."""
         body = {"token_ids": request.token_ids, "sampling_params": {
             "n": len(request.slots), "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "min_p": params.min_p,
             "max_tokens": request.max_tokens, "stop_token_ids": sorted(self.eos_ids | set(params.stop_token_ids)),
             "ignore_eos": True, "logprobs": params.top_k_logprobs + 1 if params.top_k_logprobs else 0,
             "detokenize": False}}
