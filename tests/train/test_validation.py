@@ -199,8 +199,10 @@ ROWS = [
     Row("unknown-reward-trainer", lambda c: _trainer(c, task={"reward": "nope"}), ValueError, r"unknown reward 'nope'"),
     # ---- sampling and engines
     Row("top-p-with-topk-capture", lambda c: SamplingParams(top_k_logprobs=5, top_p=0.9), ValueError,
-        r"^top_p/top_k: truncated sampling changes µ"),
-    Row("top-k-with-topk-capture", lambda c: SamplingParams(top_k_logprobs=5, top_k=10), ValueError, r"^top_p/top_k:"),
+        r"^top_p/top_k/min_p: truncated sampling changes µ"),
+    Row("top-k-with-topk-capture", lambda c: SamplingParams(top_k_logprobs=5, top_k=10), ValueError, r"^top_p/top_k/min_p:"),
+    Row("min-p-with-topk-capture", lambda c: SamplingParams(top_k_logprobs=5, min_p=0.1), ValueError, r"^top_p/top_k/min_p:"),
+    Row("min-p-out-of-range", lambda c: SamplingParams(min_p=1.5), ValueError, r"^min_p: expected in \[0, 1\]"),
     Row("temperature-zero", lambda c: SamplingParams(temperature=0.0), ValueError, r"^temperature: expected > 0, got 0\.0"),
     Row("k-above-engine-cap", lambda c: _generate(c, SamplingParams(top_k_logprobs=101)), ValueError,
         r"^top_k_logprobs: 101 exceeds this engine's max_logprobs 100"),
