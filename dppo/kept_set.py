@@ -15,9 +15,9 @@ the exact divergence between µ_S and π_S, not a lower bound.
 
 Representation: truncation keeps a prefix of the sampling distribution sorted by probability, so a kept set of
 n ≤ K tokens is `kept_size` n, the first n of µ's top-K cells (sorted by µ); 0 means no truncation (the whole
-vocabulary: log mass 0, nothing changes). A kept set larger than the recorded top-K needs its ids (`kept_ids`,
-−1 padded); the functions here take π's (or µ's) log-probabilities at the set's ids and a membership mask, so
-both forms go through the same code.
+vocabulary: log mass 0, nothing changes). A kept set larger than the recorded top-K needs its ids; the functions
+here take π's (or µ's) log-probabilities at the set's ids and a membership mask, so both forms go through the same
+code.
 
 All functions are pure (tensors in, tensors out); log-sums are taken in float64 (a set holding almost all the mass
 must not round its complement away, as `dppo.divergence` does for the Top-K other bucket).
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from dppo._checks import check_same, check_tensor
-from dppo.divergence import topk_kl, topk_tv
+from dppo.divergence import _kl_terms, topk_kl, topk_tv
 
 __all__ = ["check_kept_size", "prefix_members", "set_log_mass", "replay", "kept_cells", "kept_topk_tv", "kept_topk_kl"]
 
@@ -86,9 +86,10 @@ def kept_cells(logp_cells: Tensor, rollout_logp_cells: Tensor, valid: Tensor, me
 
 
 def _covered(members: Tensor, valid: Tensor, set_size: Tensor | None) -> Tensor:
-    """[...] bool: the kept set lies inside the cells (its size equals its member cells), so no bucket is left."""
-    inside = (members & valid).sum(-1)
-    return members.any(-1) & (inside == (inside if set_size is None else set_size))
+    """[...] bool: the kept set lies inside the cells (set_size None: the members are the whole set; else its size
+    equals its member cells), so no bucket is left."""
+    truncated = members.any(-1)
+    return truncated if set_size is None else truncated & ((members & valid).sum(-1) == set_size)
 
 
 def kept_topk_tv(logp_cells: Tensor, rollout_logp_cells: Tensor, valid: Tensor, members: Tensor,
@@ -107,7 +108,5 @@ def kept_topk_kl(logp_cells: Tensor, rollout_logp_cells: Tensor, valid: Tensor, 
     """Top-K KL(µ_S ‖ π_S), shapes and bucket as `kept_topk_tv`."""
     lp, lm, v = kept_cells(logp_cells, rollout_logp_cells, valid, members, log_mass_p, log_mass_m)
     with_bucket = topk_kl(lp, lm, v)
-    m = lm.exp()
-    terms = torch.where(v & (m > 0), m * (lm - lp), torch.zeros_like(lp))
-    exact = terms.sum(-1).clamp(min=0.0)
+    exact = torch.where(v, _kl_terms(lm, lp), torch.zeros_like(lp)).sum(-1).clamp(min=0.0)
     return torch.where(_covered(members, valid, set_size), exact, with_bucket)

@@ -58,7 +58,7 @@ def _reference_topk(logp_s, logm_s, in_set, ids, valid):
     return tv, kl_cells + kl_bucket
 
 
-def _fast(logp, logm, in_set, a, ids, valid, order, n):
+def _fast(logp, logm, in_set, ids, valid, order, n):
     """What the trainer computes, in float32: π and µ at the cells, the kept set as a size (n ≤ K) or its ids."""
     lp32, lm32 = logp.float(), logm.float()
     cells_p, cells_m = lp32.gather(1, ids), lm32.gather(1, ids)
@@ -82,7 +82,7 @@ def _fast(logp, logm, in_set, a, ids, valid, order, n):
 def test_replayed_logp_and_divergences_equal_the_float64_reference(n, seed):
     logp, logm, in_set, a, ids, valid, order = _case(n, seed)
     logp_s, logm_s = _restricted(logp, in_set), _restricted(logm, in_set)
-    cells_p, cells_m, members, mass_p, mass_m, set_size = _fast(logp, logm, in_set, a, ids, valid, order, n)
+    cells_p, cells_m, members, mass_p, mass_m, set_size = _fast(logp, logm, in_set, ids, valid, order, n)
 
     lp_a = replay(logp.float().gather(1, a[:, None])[:, 0], mass_p)
     lm_a = replay(logm.float().gather(1, a[:, None])[:, 0], mass_m)
@@ -107,7 +107,7 @@ def test_at_step_0_replay_removes_the_truncation_bias_and_without_it_every_ratio
     """π = µ (trainer weights = engine weights): with replay log π_S(a) − log µ_S(a) is 0 to float noise; without,
     log π(a) − log µ_S(a) = log µ(S) < 0 on every truncated token: the ratio biased low by the tail's mass."""
     logp, _, in_set, a, ids, valid, order = _case(K, 3)
-    _, cells_m, members, _, mass_m, _ = _fast(logp, logp, in_set, a, ids, valid, order, K)
+    _, cells_m, members, _, mass_m, _ = _fast(logp, logp, in_set, ids, valid, order, K)
     lm_a = replay(logp.float().gather(1, a[:, None])[:, 0], mass_m)
     lp_a = logp.float().gather(1, a[:, None])[:, 0]
     assert (replay(lp_a, mass_m) - lm_a).abs().max() == 0
